@@ -1,0 +1,35 @@
+# fastdp: make test (the suite), make bench (noise benchmark), make lint.
+# The venv is created on first use; torch is pinned to the local CPU wheel
+# (an unpinned torch pulls several GB of CUDA packages).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.fastdp-installed
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/include/fastdp/*.h)
+
+.PHONY: install test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python $(SOURCES)
+	$(BIN)/python -m pip install --quiet "$(TORCH)" setuptools wheel ninja
+	MAX_JOBS=$${MAX_JOBS:-2} $(BIN)/python -m pip install --quiet --no-build-isolation -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# pytest's non-zero exits (5: no tests ran) fail the target as they should.
+test: install
+	FASTDP_REQUIRE_EXT=1 $(BIN)/python -m pytest tests
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench: install
+	$(BIN)/python bench/bench_noise.py
+
+clean:
+	rm -rf build *.egg-info fastdp/*.so $(STAMP)

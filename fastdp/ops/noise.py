@@ -1,0 +1,245 @@
+"""Fused per-tensor Gaussian noise: ``fastdp::add_noise_`` and ``fastdp::noisy_sgd_step_``.
+
+Units. ``grads`` hold the *sum* of the (clipped) per-example gradients, so the
+sensitivity of tensor t is the clip bound Delta_t and its noise std is
+``stds[t] = sigma_t * Delta_t`` (global noise: every std equal). The fused step
+divides by ``scale``, the expected batch size q*N (never the realised size):
+
+    add_noise_:       g_t <- g_t + N(0, stds[t]^2 I)
+    noisy_sgd_step_:  p_t <- p_t - lr * (g_t + N(0, stds[t]^2 I)) / scale
+
+Randomness is the counter-based fastdp noise stream (``fastdp.ref.noise``): a
+(seed, offset) pair fixes the draw, bitwise on a given backend, whatever the list
+is split into; the caller must use a new offset (e.g. the step number) per step.
+
+Secure mode (``secure=True``) takes seed and offset (126 bits) from the OS entropy
+source and makes each noise value the sum of 4 independent draws divided by 2,
+Opacus' mitigation of the floating-point attacks on Box-Muller samplers (Jin et
+al., S&P 2022), which exploit the gaps in the set of floats one draw can produce.
+It does not make Philox a cryptographic generator: the guarantee rests on the
+126-bit key and counter staying secret, and fp32 rounding of ``g + noise`` remains.
+The fast default is reproducible from its seed and is not hardened against these
+attacks: use it for experiments, and secure mode for releasing a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from fastdp import _backend, _ext
+from fastdp.privacy.rng import SEED_BITS, os_entropy_seed
+from fastdp.ref import noise as ref
+
+__all__ = ["add_noise_", "noisy_sgd_step_"]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SECURE_DRAWS = 4
+
+
+def _kernel(backend: str):
+    if backend == "torch":
+        return ref.noise_
+    if backend == "triton":
+        from fastdp.kernels import noise as triton_noise
+
+        return triton_noise.noise_
+    return _ext._C.noise_
+
+
+def _check(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], stds: Sequence[float]) -> None:
+    """Refuse what the kernels cannot do correctly, saying what to do instead."""
+    if len(stds) != len(grads):
+        raise ValueError(f"fastdp noise: {len(grads)} tensors but {len(stds)} stds; pass one std per tensor")
+    if params and len(params) != len(grads):
+        raise ValueError(f"fastdp noise: {len(params)} params but {len(grads)} grads; pass one grad per param")
+    for t, s in enumerate(stds):
+        if not math.isfinite(s) or s < 0:
+            raise ValueError(f"fastdp noise: std {t} is {s}; stds must be finite and >= 0")
+    seen: set[int] = set()
+    for name, tensors in (("grads", grads), ("params", params)):
+        for t, x in enumerate(tensors):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"fastdp noise: {name}[{t}] is a {type(x).__name__}, expected a torch.Tensor")
+            if not x.dtype.is_floating_point:
+                raise TypeError(
+                    f"fastdp noise: {name}[{t}] has dtype {x.dtype}; noise needs a floating-point tensor "
+                    "(float32, float16, bfloat16 or float64)"
+                )
+            if x.device != grads[0].device:
+                raise ValueError(
+                    f"fastdp noise: {name}[{t}] is on {x.device} but grads[0] is on {grads[0].device}; "
+                    "move all tensors to one device"
+                )
+            if x.numel() and x.data_ptr() in seen:
+                raise ValueError(
+                    f"fastdp noise: {name}[{t}] shares memory with an earlier tensor; each tensor must "
+                    "appear once (it would get noise twice)"
+                )
+            if x.numel():
+                seen.add(x.data_ptr())
+    for t, (p, g) in enumerate(zip(params, grads, strict=False)):
+        if p.shape != g.shape or p.dtype != g.dtype:
+            raise ValueError(
+                f"fastdp noise: params[{t}] is {tuple(p.shape)} {p.dtype} but grads[{t}] is "
+                f"{tuple(g.shape)} {g.dtype}; each grad must match its param"
+            )
+
+
+def _check_seed(seed: int, offset: int) -> None:
+    if not 0 <= seed < 2**SEED_BITS or not 0 <= offset < 2**SEED_BITS:
+        raise ValueError(f"fastdp noise: seed and offset must be in [0, 2**63), got {seed} and {offset}")
+
+
+def _apply(
+    grads: list[torch.Tensor],
+    params: list[torch.Tensor],
+    stds: list[float],
+    seed: int,
+    offset: int,
+    num_draws: int,
+    step: float,
+) -> None:
+    """Validate, then run the selected backend per dtype on contiguous buffers."""
+    _check(grads, params, stds)
+    _check_seed(seed, offset)
+    if num_draws not in (1, SECURE_DRAWS):
+        raise ValueError(f"fastdp noise: num_draws must be 1 or {SECURE_DRAWS}, got {num_draws}")
+    fused = bool(params)
+    starts = ref.stream_starts([g.numel() for g in grads])
+    # std = 0 adds nothing: skip (an exact no-op, also for -0.0 entries).
+    work = [t for t, g in enumerate(grads) if g.numel() and (fused or stds[t] != 0.0)]
+    if not work:
+        return
+    device_type = grads[0].device.type
+    backend = _backend.select("noise", device_type)
+    for dtype in dict.fromkeys(grads[t].dtype for t in work):
+        group = [t for t in work if grads[t].dtype == dtype]
+        run = _kernel(backend if dtype in _KERNEL_DTYPES else "torch")  # float64: the reference
+        # Non-contiguous tensors run on contiguous copies; results are copied back.
+        targets = [params[t] if fused else grads[t] for t in group]
+        g_buf = [grads[t].contiguous() for t in group]
+        p_buf = [params[t].contiguous() for t in group] if fused else []
+        with torch.no_grad():
+            run(g_buf, p_buf, [stds[t] for t in group], [starts[t] for t in group], seed, offset, num_draws, step)
+            for target, buf in zip(targets, p_buf if fused else g_buf, strict=True):
+                if buf.data_ptr() != target.data_ptr():
+                    target.copy_(buf)
+
+
+@torch.library.custom_op("fastdp::add_noise_", mutates_args=("grads",))
+def _add_noise_op(grads: list[torch.Tensor], stds: list[float], seed: int, offset: int, num_draws: int) -> None:
+    _apply(grads, [], stds, seed, offset, num_draws, 0.0)
+
+
+@_add_noise_op.register_fake
+def _(grads, stds, seed, offset, num_draws):
+    return None
+
+
+@torch.library.custom_op("fastdp::noisy_sgd_step_", mutates_args=("params",))
+def _noisy_sgd_step_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    stds: list[float],
+    step: float,
+    seed: int,
+    offset: int,
+    num_draws: int,
+) -> None:
+    _apply(grads, params, stds, seed, offset, num_draws, step)
+
+
+@_noisy_sgd_step_op.register_fake
+def _(params, grads, stds, step, seed, offset, num_draws):
+    return None
+
+
+def _as_list(tensors, name: str) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    tensors = list(tensors)
+    for t, x in enumerate(tensors):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"fastdp noise: {name}[{t}] is a {type(x).__name__}, expected a torch.Tensor")
+    return tensors
+
+
+def _as_stds(stds, count: int) -> list[float]:
+    if isinstance(stds, torch.Tensor):
+        if stds.dim() > 1:
+            raise ValueError(f"fastdp noise: stds must be a scalar or a 1-D tensor, got shape {tuple(stds.shape)}")
+        stds = stds.detach().cpu().double().reshape(-1).tolist() if stds.dim() else float(stds)
+    if isinstance(stds, (int, float)):
+        return [float(stds)] * count
+    return [float(s) for s in stds]
+
+
+def _seed_offset(seed: int | None, offset: int, secure: bool) -> tuple[int, int, int]:
+    if secure:
+        if seed is not None:
+            raise ValueError(
+                "fastdp noise: secure=True draws its own seed from the OS entropy source; do not pass a seed"
+            )
+        return os_entropy_seed(), os_entropy_seed(), SECURE_DRAWS
+    for name, value in (("seed", seed), ("offset", offset)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"fastdp noise: {name} must be an int, got {type(value).__name__}")
+    seed = os_entropy_seed() if seed is None else seed
+    _check_seed(seed, offset)
+    return seed, offset, 1
+
+
+def add_noise_(
+    grads: Sequence[torch.Tensor] | torch.Tensor,
+    stds: Sequence[float] | torch.Tensor | float,
+    seed: int | None = None,
+    offset: int = 0,
+    *,
+    secure: bool = False,
+) -> None:
+    """Add N(0, stds[t]^2) to every element of ``grads[t]``, in place.
+
+    Args:
+        grads: tensors (float32/16, bfloat16, float64; any layout) on one device,
+            usually the sums of clipped per-example gradients.
+        stds: one std per tensor (noise on the sum: sigma_t * Delta_t), or one for all.
+        seed: key of the noise stream in [0, 2**63); ``None`` draws one from OS entropy.
+        offset: counter in [0, 2**63); use a new one per step (e.g. the step index).
+        secure: OS-entropy seed and offset, 4-draw sum (see the module docstring).
+    """
+    grads = _as_list(grads, "grads")
+    stds = _as_stds(stds, len(grads))
+    _check(grads, [], stds)  # here too: a meta tensor in the list would dispatch past the kernel's check
+    seed, offset, num_draws = _seed_offset(seed, offset, secure)
+    with torch.no_grad():
+        torch.ops.fastdp.add_noise_(grads, stds, seed, offset, num_draws)
+
+
+def noisy_sgd_step_(
+    params: Sequence[torch.Tensor] | torch.Tensor,
+    grads: Sequence[torch.Tensor] | torch.Tensor,
+    stds: Sequence[float] | torch.Tensor | float,
+    lr: float,
+    scale: float = 1.0,
+    seed: int | None = None,
+    offset: int = 0,
+    *,
+    secure: bool = False,
+) -> None:
+    """Fused noise and SGD update: ``p -= lr * (g + N(0, stds[t]^2)) / scale``; grads are not changed.
+
+    ``scale`` is the divisor that turns the noisy sum into a mean: the expected batch
+    size q*N under Poisson sampling (1.0 if ``grads`` are already means and ``stds``
+    were scaled to match). Other arguments as in :func:`add_noise_`.
+    """
+    params, grads = _as_list(params, "params"), _as_list(grads, "grads")
+    if not (math.isfinite(lr) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"fastdp noise: lr must be finite and scale finite and > 0, got lr={lr}, scale={scale}")
+    stds = _as_stds(stds, len(grads))
+    _check(grads, params, stds)
+    seed, offset, num_draws = _seed_offset(seed, offset, secure)
+    with torch.no_grad():
+        torch.ops.fastdp.noisy_sgd_step_(params, grads, stds, lr / scale, seed, offset, num_draws)

@@ -1,0 +1,1 @@
+"""Privacy machinery: randomness sources (accountants and samplers come with the trainer)."""

@@ -1,0 +1,1 @@
+"""Pure-torch reference implementations: obviously correct, float64-capable, any device."""
