@@ -8,12 +8,16 @@ in fp32, rounded once to the tensor's dtype.
 Two launch paths share the block body ``_noise_block``:
 * ``_noise_list_kernel`` — one launch over a whole list: program b handles chunk b
   (CHUNK elements of tensor ``chunk_tensor[b]``), pointers loaded from int64 tables.
-  Compiled GPU only: the interpreter cannot load through pointer tables.
-* ``_noise_tensor_kernel`` — one launch per tensor; runs under ``TRITON_INTERPRET=1``.
+  The GPU path for lists.
+* ``_noise_tensor_kernel`` — one launch per tensor: the path under ``TRITON_INTERPRET=1``
+  (the list kernel also runs there on CPU tensors, and is tested so).
+
+seed and offset are not specialised (an offset that changes every step must not recompile).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +33,7 @@ NUM_WARPS = 4
 @triton.jit
 def _normal4(group, draw: tl.constexpr, seed, offset):
     """Four N(0, 1) vectors from one Philox4x32-10 call per group index (uint64 vector)."""
-    offset = tl.to_tensor(offset).to(tl.int64)  # an int argument may arrive as i32
+    offset = tl.cast(offset, tl.int64)  # an int argument may arrive as i32 or a constexpr
     c0 = (group & 0xFFFFFFFF).to(tl.uint32)
     c1 = ((group >> 32) + (draw << 28)).to(tl.uint32)
     zeros = tl.zeros_like(c0)
@@ -41,8 +45,8 @@ def _normal4(group, draw: tl.constexpr, seed, offset):
     u1 = r1.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
     u2 = r2.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
     u3 = r3.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10
-    rad0 = tl.sqrt(-2.0 * tl.log(u0))
-    rad1 = tl.sqrt(-2.0 * tl.log(u2))
+    rad0 = tl.sqrt_rn(-2.0 * tl.log(u0))  # correctly rounded, as in the CUDA and CPU kernels
+    rad1 = tl.sqrt_rn(-2.0 * tl.log(u2))
     angle0 = 6.283185307179586 * u1
     angle1 = 6.283185307179586 * u3
     return rad0 * tl.cos(angle0), rad0 * tl.sin(angle0), rad1 * tl.cos(angle1), rad1 * tl.sin(angle1)
@@ -65,7 +69,7 @@ def _noise_block(
 ):
     """Noise (or the noisy SGD step) on elements [begin, begin + BLOCK) of one tensor."""
     GROUPS: tl.constexpr = BLOCK // 4
-    group = ((tl.to_tensor(stream_start).to(tl.int64) + begin) // 4 + tl.arange(0, GROUPS)).to(tl.uint64)
+    group = ((tl.cast(stream_start, tl.int64) + begin) // 4 + tl.arange(0, GROUPS)).to(tl.uint64)
     n0, n1, n2, n3 = _normal4(group, 0, seed, offset)
     for draw in tl.static_range(1, NUM_DRAWS):
         m0, m1, m2, m3 = _normal4(group, draw, seed, offset)
@@ -86,7 +90,7 @@ def _noise_block(
         tl.store(grad_ptr + idx, noisy.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])
 def _noise_tensor_kernel(
     grad_ptr, param_ptr, numel, stream_start, std, seed, offset, step,
     BLOCK: tl.constexpr, NUM_DRAWS: tl.constexpr, FUSED: tl.constexpr,
@@ -97,7 +101,7 @@ def _noise_tensor_kernel(
                  BLOCK, NUM_DRAWS, FUSED)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "offset"])
 def _noise_list_kernel(
     grad_ptrs,  # int64[T]: addresses of the gradients
     param_ptrs,  # int64[T]: addresses of the parameters (FUSED only)
@@ -147,38 +151,51 @@ def noise_(
     work = [t for t in range(len(grads)) if grads[t].numel() > 0]
     if not work:
         return
-    if INTERPRET or len(work) == 1:
-        for t in work:
-            _noise_tensor_kernel[(triton.cdiv(grads[t].numel(), BLOCK),)](
-                grads[t], params[t] if fused else grads[t], grads[t].numel(), starts[t], float(stds[t]),
-                seed, offset, float(step), BLOCK=BLOCK, NUM_DRAWS=num_draws, FUSED=fused,
-                num_warps=NUM_WARPS,
-            )  # fmt: skip
-        return
     device = grads[0].device
-    chunks = [triton.cdiv(grads[t].numel(), CHUNK) for t in work]
-    first, position = [], 0
-    for count in chunks:
-        first.append(position)
-        position += count
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:  # Triton launches on the current device's stream
+        launch = _launch_per_tensor if INTERPRET or len(work) == 1 else _launch_list
+        launch([grads[t] for t in work], [params[t] for t in work] if fused else [], [float(stds[t]) for t in work],
+               [starts[t] for t in work], seed, offset, num_draws, step)  # fmt: skip
+
+
+def _launch_per_tensor(grads, params, stds, starts, seed, offset, num_draws, step) -> None:
+    """One launch per tensor (the interpreter's path). Arguments as in ``noise_``, no empty tensors."""
+    fused = len(params) > 0
+    for t, grad in enumerate(grads):
+        _noise_tensor_kernel[(triton.cdiv(grad.numel(), BLOCK),)](
+            grad, params[t] if fused else grad, grad.numel(), starts[t], stds[t], seed, offset, float(step),
+            BLOCK=BLOCK, NUM_DRAWS=num_draws, FUSED=fused, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+
+def _launch_list(grads, params, stds, starts, seed, offset, num_draws, step) -> None:
+    """One launch over the whole list; per-tensor tables go to the device in two async copies."""
+    fused = len(params) > 0
+    device = grads[0].device
+    chunks = [triton.cdiv(g.numel(), CHUNK) for g in grads]
+    first = [0]
+    for count in chunks[:-1]:
+        first.append(first[-1] + count)
+    pin = device.type == "cuda"
     table = torch.tensor(
         [
-            [grads[t].data_ptr() for t in work],
-            [params[t].data_ptr() if fused else 0 for t in work],
-            [grads[t].numel() for t in work],
-            [starts[t] for t in work],
+            [g.data_ptr() for g in grads],
+            [p.data_ptr() for p in params] if fused else [0] * len(grads),
+            [g.numel() for g in grads],
+            list(starts),
             first,
         ],
         dtype=torch.int64,
-    ).pin_memory()
-    chunk_tensor = torch.repeat_interleave(torch.arange(len(work), dtype=torch.int32), torch.tensor(chunks))
+        pin_memory=pin,
+    )
+    chunk_tensor = torch.repeat_interleave(torch.arange(len(grads), dtype=torch.int32), torch.tensor(chunks))
+    std_table = torch.tensor(stds, dtype=torch.float32, pin_memory=pin)
     table = table.to(device, non_blocking=True)
-    chunk_tensor = chunk_tensor.pin_memory().to(device, non_blocking=True)
-    std_table = torch.tensor([float(stds[t]) for t in work], dtype=torch.float32).pin_memory()
+    chunk_tensor = (chunk_tensor.pin_memory() if pin else chunk_tensor).to(device, non_blocking=True)
     std_table = std_table.to(device, non_blocking=True)
-    _noise_list_kernel[(position,)](
-        table[0], table[1], table[2], table[3], table[4], std_table, chunk_tensor,
-        seed, offset, float(step),
+    _noise_list_kernel[(sum(chunks),)](
+        table[0], table[1], table[2], table[3], table[4], std_table, chunk_tensor, seed, offset, float(step),
         DTYPE=_TL_DTYPES[grads[0].dtype], CHUNK=CHUNK, BLOCK=BLOCK, NUM_DRAWS=num_draws, FUSED=fused,
         num_warps=NUM_WARPS,
     )  # fmt: skip

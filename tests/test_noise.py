@@ -192,6 +192,14 @@ def test_noise_independent_of_launch_split(device_backend):
     torch.testing.assert_close(mixed[1].float(), all_fp32[1], **TOL[torch.float32])
 
 
+def test_single_one_element_tensor(device_backend):
+    device, _ = device_backend
+    g = torch.full((1,), 0.25, device=device)
+    add_noise_(g, 3.0, seed=77, offset=1)  # a bare tensor is a list of one
+    expected = 0.25 + 3.0 * ref.standard_normal(77, 1, 0, 1).float()
+    torch.testing.assert_close(g.cpu(), expected, **TOL[torch.float32])
+
+
 def test_many_odd_tensors(device_backend):
     device, backend = device_backend
     sizes = np.random.default_rng(0).integers(1, 300, size=500).tolist()
@@ -311,3 +319,26 @@ def test_compiles_fullgraph(restore_backend):
     eager = step(p.clone(), g)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(p.clone(), g)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- Triton list kernel
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused, num_draws", [(False, 1), (True, 1), (False, 4)])
+def test_triton_list_kernel_matches_reference(dtype, fused, num_draws):
+    """The one-launch list kernel (the GPU path; under the interpreter on CPU) against the reference."""
+    if not torch.cuda.is_available() and not fastdp._backend.available("triton", "cpu")[0]:
+        pytest.skip("Triton cannot run here")
+    from fastdp.kernels import noise as triton_noise
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(2)
+    sizes = [5, 16_385, 1, 40_000]
+    grads = [torch.randn(n, generator=gen).to(device=device, dtype=dtype) for n in sizes]
+    params = [torch.randn(n, generator=gen).to(device=device, dtype=dtype) for n in sizes] if fused else []
+    stds, starts = [1.0, 0.5, 2.0, 0.25], ref.stream_starts(sizes)
+    expected = _reference(grads, stds, 2**40 + 3, 9, num_draws, params=params, step=0.01)
+    triton_noise._launch_list(grads, params, stds, starts, 2**40 + 3, 9, num_draws, 0.01)
+    _assert_close(params if fused else grads, expected, f"list kernel {dtype} fused={fused} draws={num_draws}")
