@@ -1,4 +1,5 @@
-# fastdp: make test (the suite), make bench (noise benchmark), make lint.
+# fastdp: make demo (train private models, print accuracy and epsilon), make test (the suite),
+# make bench (noise benchmark), make lint.
 # The venv is created on first use; torch is pinned to the local CPU wheel
 # (an unpinned torch pulls several GB of CUDA packages).
 PYTHON ?= python3
@@ -8,7 +9,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.fastdp-installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/include/fastdp/*.h)
 
-.PHONY: install test lint bench clean
+.PHONY: install demo test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ $(STAMP): $(BIN)/python $(SOURCES)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+demo: install
+	$(BIN)/fastdp demo
 
 # pytest's non-zero exits (5: no tests ran) fail the target as they should.
 test: install

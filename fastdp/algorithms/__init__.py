@@ -1,0 +1,9 @@
+"""Training variants, one file each: how each bounds the sensitivity of its gradient."""
+
+from fastdp.algorithms.base import Batch, Variant, per_example_cross_entropy
+from fastdp.algorithms.dpsgd import DPSGD
+from fastdp.algorithms.nonprivate import NonPrivate
+
+VARIANTS: dict[str, type[Variant]] = {cls.name: cls for cls in (DPSGD, NonPrivate)}
+
+__all__ = ["DPSGD", "VARIANTS", "Batch", "NonPrivate", "Variant", "per_example_cross_entropy"]

@@ -1,0 +1,64 @@
+"""What every training variant provides to the trainer.
+
+A variant turns a batch into this step's gradient (written to ``p.grad``) whose
+sensitivity it knows, and names the accounting event that release was. The trainer
+knows no variant by name: it calls :meth:`Variant.gradient`, steps the optimizer and
+records :meth:`Variant.privacy_event` with the accountant.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Batch:
+    """Examples of one step. ``mask`` marks real rows; padded rows (mask False) must count for nothing."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def num_real(self) -> int:
+        return int(self.mask.sum())
+
+
+def per_example_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-example loss: cross-entropy of the logits, no reduction."""
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+class Variant(abc.ABC):
+    """A training variant (DP-SGD, non-private, ...)."""
+
+    name: ClassVar[str]
+    private: ClassVar[bool]
+
+    def __init__(self, loss_fn=per_example_cross_entropy) -> None:
+        self.loss_fn = loss_fn
+
+    @abc.abstractmethod
+    def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
+        """Set ``p.grad`` of every trainable parameter to this step's gradient.
+
+        ``step`` is the global step index (keys the noise). Returns the summed loss of
+        the real examples (a detached scalar tensor; no host synchronisation).
+        """
+
+    def privacy_event(self) -> tuple[float, float] | None:
+        """(noise multiplier, sample rate) of one step for the accountant; None if not private."""
+        return None
+
+    def describe(self) -> dict:
+        """Hyperparameters that define the variant, for reports and checkpoints."""
+        return {"variant": self.name}
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,1 @@
+"""Training utilities: data sets and models for DP training."""

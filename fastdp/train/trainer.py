@@ -1,0 +1,387 @@
+"""The trainer: a variant, an optimizer, a sampler and an accountant, composed.
+
+Every step: sample a batch (Poisson), let the variant write the gradient, step the
+optimizer, record the variant's privacy event. Per epoch: evaluate on the test split
+and log loss, accuracy (AUROC for binary tasks), epsilon so far and steps/s.
+Checkpoints hold the model, optimizer, accountant and sampler states, so a resumed
+run continues the same random streams and neither loses nor double-counts a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastdp.algorithms import DPSGD, VARIANTS, Batch, NonPrivate, Variant
+from fastdp.privacy.accounting import MECHANISMS, PrivacyAccountant, get_noise_multiplier
+from fastdp.privacy.rng import os_entropy_seed
+from fastdp.privacy.sampling import PoissonSampler, ShuffleSampler, pad_batch, physical_batch_size
+from fastdp.train.data import Dataset, load_dataset
+from fastdp.train.models import build_model
+
+CHECKPOINT_VERSION = 1
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Units: ``batch_size`` is the expected batch size q*N; ``clip_norm``
+    is the per-example L2 bound C; noise std on the clipped sum is ``noise_multiplier * C``."""
+
+    variant: str = "dpsgd"
+    dataset: str = "breast_cancer"
+    data_dir: str | None = None
+    model: str = "auto"
+    hidden: int = 64
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 0.1
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    clip_norm: float = 1.0
+    epsilon: float | None = None
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    accountant: str = "rdp"
+    shuffle: bool = False
+    pad: bool = False
+    secure: bool = False
+    seed: int = 0
+    device: str = "cpu"
+    checkpoint: str | None = None
+    resume: bool = False
+    out: str | None = None
+    progress: bool | None = None  # None: a progress bar when stderr is a terminal
+    quiet: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; choose one of {', '.join(sorted(VARIANTS))}")
+        if self.accountant not in MECHANISMS:
+            raise ValueError(f"unknown accountant {self.accountant!r}; choose one of {', '.join(MECHANISMS)}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}; typical: 1e-5 or below 1/N")
+        if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
+            raise ValueError(f"epsilon must be finite and > 0, got {self.epsilon}")
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"epochs and batch size must be >= 1, got {self.epochs} and {self.batch_size}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"learning rate must be finite and > 0, got {self.lr}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose sgd or adam")
+        if VARIANTS[self.variant].private and self.epsilon is None and self.noise_multiplier is None:
+            raise ValueError(
+                f"variant {self.variant!r} is private: give --epsilon (the noise is calibrated to reach it) "
+                "or --noise-multiplier (epsilon is then reported)"
+            )
+        if self.resume and not self.checkpoint:
+            raise ValueError("--resume needs --checkpoint PATH")
+
+
+def _log(config: TrainConfig, message: str) -> None:
+    if not config.quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _make_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=config.lr)
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Dataset, device: torch.device) -> dict:
+    """Test loss, accuracy and (binary tasks) AUROC."""
+    model.eval()
+    logits = torch.cat([model(x.to(device)).cpu() for x in data.x_test.split(1024)])
+    model.train()
+    loss = torch.nn.functional.cross_entropy(logits, data.y_test).item()
+    accuracy = (logits.argmax(1) == data.y_test).double().mean().item()
+    metrics = {"test_loss": loss, "test_accuracy": accuracy}
+    if data.task == "binary" and data.y_test.unique().numel() == 2:
+        from sklearn.metrics import roc_auc_score
+
+        scores = (logits[:, 1] - logits[:, 0]).numpy()
+        metrics["test_auroc"] = float(roc_auc_score(data.y_test.numpy(), scores))
+    return metrics
+
+
+class Trainer:
+    """Runs one :class:`TrainConfig`; :meth:`run` returns the result dict (also written as JSON)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = torch.device(config.device)
+        torch.manual_seed(config.seed)
+        self.data = load_dataset(config.dataset, config.data_dir, seed=config.seed)
+        n = self.data.x_train.shape[0]
+        if config.batch_size > n:
+            raise ValueError(f"batch size {config.batch_size} exceeds the {n} training examples of {config.dataset}")
+        self.model = build_model(config.model, self.data.input_shape, self.data.num_classes, hidden=config.hidden)
+        self.model.to(self.device)
+        self.optimizer = _make_optimizer(config, self.model)
+        self.private = VARIANTS[config.variant].private
+        if config.shuffle or not self.private:
+            self.sampler = ShuffleSampler(n, config.batch_size, seed=config.seed)
+        else:
+            self.sampler = PoissonSampler(n, config.batch_size / n, seed=config.seed, secure=config.secure)
+        self.total_steps = config.epochs * len(self.sampler)
+        self.accountant = PrivacyAccountant(config.accountant)
+        self.noise_multiplier = self._noise_multiplier()
+        self.variant = self._make_variant()
+        self.physical = physical_batch_size(n, self.sampler.sample_rate) if config.pad else None
+        self.step = 0
+        self.epoch = 0
+        self.history: list[dict] = []
+        self.train_seconds = 0.0
+
+    def _noise_multiplier(self) -> float | None:
+        config = self.config
+        if not self.private:
+            return None
+        if config.noise_multiplier is not None:
+            return config.noise_multiplier
+        return get_noise_multiplier(
+            config.epsilon, config.delta, self.sampler.sample_rate, self.total_steps, accountant=config.accountant
+        )
+
+    def _make_variant(self) -> Variant:
+        config = self.config
+        if config.variant == "nonprivate":
+            return NonPrivate()
+        # Noise seed: from the run seed (reproducible) unless secure, which draws from OS entropy per step.
+        noise_seed = os_entropy_seed() if config.secure else (config.seed * 0x9E3779B97F4A7C15 + 1) % 2**63
+        return DPSGD(
+            clip_norm=config.clip_norm,
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=self.sampler.sample_rate,
+            num_examples=self.data.x_train.shape[0],
+            seed=noise_seed,
+            secure=config.secure,
+        )
+
+    # ------------------------------------------------------------------------------ steps
+
+    def _batch(self, indices: torch.Tensor) -> Batch:
+        if self.physical is not None:
+            indices, mask = pad_batch(indices, self.physical)
+        else:
+            mask = torch.ones(indices.numel(), dtype=torch.bool)
+        x = self.data.x_train[indices].to(self.device)
+        y = self.data.y_train[indices].to(self.device)
+        return Batch(x, y, mask.to(self.device))
+
+    def epsilon(self) -> float:
+        return self.accountant.get_epsilon(self.config.delta) if self.private else math.inf
+
+    def _step_budget(self) -> int:
+        """Steps allowed in total: all planned ones, or (sigma and a target epsilon both given) the most whose
+        epsilon stays within the target."""
+        target = self.config.epsilon
+        if not self.private or target is None or self.config.noise_multiplier is None:
+            return self.total_steps
+        sigma, q = self.variant.privacy_event()
+
+        def eps(steps: int) -> float:
+            probe = PrivacyAccountant(self.config.accountant)
+            probe.step(sigma, q, steps)
+            return probe.get_epsilon(self.config.delta)
+
+        if eps(self.total_steps) <= target:
+            return self.total_steps
+        low, high = 0, self.total_steps  # eps(low) <= target < eps(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if eps(mid) <= target else (low, mid)
+        return low
+
+    def run(self) -> dict:
+        config = self.config
+        if config.resume:
+            self.load_checkpoint(config.checkpoint)
+        _log(config, self._header())
+        budget = self._step_budget()
+        while self.epoch < config.epochs and self.step < budget:
+            start, loss_sum, examples = time.perf_counter(), torch.zeros((), device=self.device), 0
+            steps = self._progress(len(self.sampler))
+            for indices in self.sampler:
+                if self.step >= budget:
+                    _log(config, f"stopping at step {self.step}: one more step would exceed epsilon={config.epsilon}")
+                    break
+                batch = self._batch(indices)
+                loss_sum += self.variant.gradient(self.model, batch, self.step)
+                examples += indices.numel()
+                self.optimizer.step()
+                event = self.variant.privacy_event()
+                if event is not None:
+                    self.accountant.step(*event)
+                self.step += 1
+                steps.update(1)
+            steps.close()
+            seconds = time.perf_counter() - start
+            self.train_seconds += seconds
+            self.epoch += 1
+            record = {
+                "epoch": self.epoch,
+                "step": self.step,
+                "train_loss": loss_sum.item() / max(examples, 1),
+                "epsilon": self.epsilon(),
+                "steps_per_second": len(self.sampler) / seconds if seconds > 0 else math.inf,
+                **evaluate(self.model, self.data, self.device),
+            }
+            self.history.append(record)
+            _log(config, self._format(record))
+            if config.checkpoint:
+                self.save_checkpoint(config.checkpoint)
+        result = self.result(stopped_early=budget < self.total_steps)
+        if config.out:
+            Path(config.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(config.out).write_text(json.dumps(result, indent=2))
+        return result
+
+    # ------------------------------------------------------------------------- reporting
+
+    def _progress(self, total: int):
+        show = self.config.progress if self.config.progress is not None else sys.stderr.isatty()
+        if show and not self.config.quiet:
+            from tqdm import tqdm
+
+            return tqdm(total=total, desc=f"epoch {self.epoch + 1}/{self.config.epochs}", leave=False)
+        return _NoProgress()
+
+    def _header(self) -> str:
+        c = self.config
+        n = self.data.x_train.shape[0]
+        text = (
+            f"fastdp train: {c.variant} on {c.dataset} ({n} train / {self.data.x_test.shape[0]} test), "
+            f"model {c.model}, {c.epochs} epochs x {len(self.sampler)} steps, expected batch {c.batch_size}"
+        )
+        if self.private:
+            text += (
+                f", C={c.clip_norm}, sigma={self.noise_multiplier:.4f}, q={self.sampler.sample_rate:.5f}, "
+                f"delta={c.delta:g}, accountant {c.accountant}"
+            )
+        return text
+
+    @staticmethod
+    def _format(record: dict) -> str:
+        text = (
+            f"epoch {record['epoch']:3d}  step {record['step']:6d}  loss {record['train_loss']:.4f}  "
+            f"test acc {record['test_accuracy']:.4f}"
+        )
+        if "test_auroc" in record:
+            text += f"  auroc {record['test_auroc']:.4f}"
+        return text + f"  eps {record['epsilon']:.3f}  {record['steps_per_second']:.1f} steps/s"
+
+    def result(self, stopped_early: bool = False) -> dict:
+        c = self.config
+        final = self.history[-1] if self.history else evaluate(self.model, self.data, self.device)
+        result = {
+            "variant": c.variant,
+            "dataset": c.dataset,
+            "data_source": self.data.source,
+            "epsilon": self.epsilon(),
+            "delta": c.delta if self.private else None,
+            "accountant": c.accountant if self.private else None,
+            "sampling": "shuffle" if isinstance(self.sampler, ShuffleSampler) else "poisson",
+            "steps": self.step,
+            "epochs": self.epoch,
+            "stopped_at_target_epsilon": stopped_early,
+            "train_seconds": self.train_seconds,
+            "test_accuracy": final["test_accuracy"],
+            "test_auroc": final.get("test_auroc"),
+            "variant_config": self.variant.describe(),
+            "config": {k: v for k, v in dataclasses.asdict(c).items() if k != "extra"},
+            "history": self.history,
+        }
+        if self.private and result["sampling"] == "shuffle":
+            result["note"] = (
+                "batches were shuffled, not Poisson-sampled: the reported epsilon assumes Poisson sampling "
+                "and is not a proven guarantee for this run"
+            )
+        if self.private and c.secure:
+            result["note_secure"] = "secure mode: noise and sampling drawn from OS entropy; the run is not replayable"
+        return result
+
+    # ------------------------------------------------------------------------ checkpoints
+
+    def _identity(self) -> dict:
+        c = self.config
+        return {
+            "variant": c.variant,
+            "dataset": c.dataset,
+            "model": c.model,
+            "hidden": c.hidden,
+            "batch_size": c.batch_size,
+            "seed": c.seed,
+            "accountant": c.accountant,
+            "noise_multiplier": self.noise_multiplier,
+            "clip_norm": c.clip_norm if self.private else None,
+            "shuffle": isinstance(self.sampler, ShuffleSampler),
+        }
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Atomic write (temporary file, then rename): a crash never leaves a half-written checkpoint."""
+        state = {
+            "version": CHECKPOINT_VERSION,
+            "identity": self._identity(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "accountant": self.accountant.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "history": self.history,
+            "train_seconds": self.train_seconds,
+        }
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist; run once without --resume to create it")
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+            raise ValueError(f"checkpoint {path} is corrupt or not a fastdp checkpoint ({exc})") from exc
+        if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"checkpoint {path} is not a fastdp checkpoint of version {CHECKPOINT_VERSION}")
+        if state["identity"] != self._identity():
+            raise ValueError(
+                f"checkpoint {path} was written by a different run: {state['identity']} vs this run's "
+                f"{self._identity()}; resume with the same settings (epochs may grow)"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.accountant.load_state_dict(state["accountant"])
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.history, self.train_seconds = state["history"], state["train_seconds"]
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def train(config: TrainConfig) -> dict:
+    """Train one model as configured; returns the result dict."""
+    return Trainer(config).run()
