@@ -17,10 +17,24 @@ def test_dpsgd_run_reaches_target_epsilon_and_learns(tmp_path):
     result = train(TrainConfig(variant="dpsgd", epsilon=3.0, delta=1e-5, out=str(out), **FAST))
     assert result["epsilon"] <= 3.0 and result["epsilon"] >= 0.97 * 3.0
     assert result["steps"] == 2 * 7  # round(455 / 64) steps per epoch
+    assert len(result["history"]) == 2 and result["history"][-1]["epsilon"] == result["epsilon"]
     assert result["test_accuracy"] > 0.8 and result["test_auroc"] > 0.85
     saved = json.loads(out.read_text())
     assert saved["epsilon"] == result["epsilon"] and len(saved["history"]) == 2
     assert saved["sampling"] == "poisson" and "note" not in saved
+
+
+def test_every_step_is_accounted_including_empty_batches():
+    """q so small that most Poisson batches are empty: each step still adds noise and is accounted."""
+    trainer = Trainer(TrainConfig(variant="dpsgd", noise_multiplier=5.0, **{**FAST, "batch_size": 1, "epochs": 1}))
+    sizes = []
+    original = trainer._batch
+    trainer._batch = lambda indices: (sizes.append(indices.numel()), original(indices))[1]
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    result = trainer.run()
+    assert 0 in sizes, "expected empty batches at q = 1/455"
+    assert trainer.accountant.steps == result["steps"] == len(sizes) == 455
+    assert all(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
 
 
 def test_nonprivate_reports_infinite_epsilon():

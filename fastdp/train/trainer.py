@@ -355,8 +355,8 @@ class Trainer:
         if not path.exists():
             raise FileNotFoundError(f"checkpoint {path} does not exist; run once without --resume to create it")
         try:
-            state = torch.load(path, map_location=self.device, weights_only=False)
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+            state = torch.load(path, map_location=self.device, weights_only=True)  # no code from the file
+        except Exception as exc:  # noqa: BLE001 - any load failure means a corrupt or foreign file
             raise ValueError(f"checkpoint {path} is corrupt or not a fastdp checkpoint ({exc})") from exc
         if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint {path} is not a fastdp checkpoint of version {CHECKPOINT_VERSION}")
