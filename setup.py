@@ -32,7 +32,9 @@ def _extensions():
 
     cpu_sources = ["csrc/bindings.cpp", *sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cpu").glob("*.cpp"))]
     include_dirs = [str(CSRC), str(CSRC / "include")]
-    cxx_flags = ["-O3", "-std=c++17", "-fno-math-errno"]  # no fast-math: it changes the noise
+    # -fopenmp: at::parallel_for runs on one thread without it. No fast-math: it changes the noise.
+    cxx_flags = ["-O3", "-std=c++17", "-fno-math-errno", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and not _truthy("FASTDP_SKIP_CUDA_BUILD")
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
@@ -44,9 +46,16 @@ def _extensions():
             define_macros=[("FASTDP_WITH_CUDA", None)],
             # No --use_fast_math: it changes the noise and the norms.
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+            extra_link_args=link_flags,
         )
     else:
-        ext = CppExtension("fastdp._C", cpu_sources, include_dirs=include_dirs, extra_compile_args=cxx_flags)
+        ext = CppExtension(
+            "fastdp._C",
+            cpu_sources,
+            include_dirs=include_dirs,
+            extra_compile_args=cxx_flags,
+            extra_link_args=link_flags,
+        )
     print(f"fastdp: building fastdp._C with {'CPU + CUDA' if with_cuda else 'CPU'} kernels")
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

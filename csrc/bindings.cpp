@@ -2,17 +2,22 @@
 // Torch types live here only; kernels take raw pointers (csrc/cpu, csrc/cuda).
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "cpu/noise.h"
+#include "cpu/norms.h"
 #include "fastdp/noise.h"
+#include "fastdp/norms.h"
 
 #ifdef FASTDP_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/noise.h"
+#include "cuda/norms.h"
 #endif
 
 namespace fastdp {
@@ -101,6 +106,85 @@ void noise_(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>&
 #endif
 }
 
+// Element kind of a ghost-norm input (fp32, fp16, bf16; float64 runs the torch reference).
+ScalarKind norms_scalar_kind(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ScalarKind::kFloat32;
+    case at::kHalf: return ScalarKind::kFloat16;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default:
+      TORCH_CHECK(false, "fastdp ghost_norm_sq: inputs must be float32, float16 or bfloat16, got ",
+                  t.scalar_type());
+  }
+}
+
+// out[b] = ||a_b^T g_b||_F^2 (fp32 [B]) for a [B, T, D], g [B, T, P]: one device, one dtype,
+// contiguous. See csrc/include/fastdp/norms.h.
+at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g) {
+  TORCH_CHECK(a.dim() == 3 && g.dim() == 3, "fastdp ghost_norm_sq: a and g must be [B, T, features], got ",
+              a.sizes(), " and ", g.sizes());
+  TORCH_CHECK(a.size(0) == g.size(0) && a.size(1) == g.size(1),
+              "fastdp ghost_norm_sq: a and g must match in B and T, got ", a.sizes(), " and ", g.sizes());
+  TORCH_CHECK(a.scalar_type() == g.scalar_type(), "fastdp ghost_norm_sq: a is ", a.scalar_type(), " but g is ",
+              g.scalar_type());
+  TORCH_CHECK(a.device() == g.device(), "fastdp ghost_norm_sq: a is on ", a.device(), " but g is on ",
+              g.device());
+  TORCH_CHECK(a.is_contiguous() && g.is_contiguous(), "fastdp ghost_norm_sq: a and g must be contiguous");
+  const ScalarKind kind = norms_scalar_kind(a);
+  const GhostNormShape shape{a.size(0), a.size(1), a.size(2), g.size(2)};
+  at::Tensor out = at::empty({shape.batch}, a.options().dtype(at::kFloat));
+  if (shape.batch == 0) return out;
+  if (shape.seq == 0 || shape.dim_a == 0 || shape.dim_g == 0) return out.zero_();
+  if (a.device().is_cpu()) {
+    ghost_norm_sq_cpu(a.data_ptr(), g.data_ptr(), shape, kind, out.data_ptr<float>());
+    return out;
+  }
+#ifdef FASTDP_WITH_CUDA
+  TORCH_CHECK(a.device().is_cuda(), "fastdp ghost_norm_sq: unsupported device ", a.device());
+  const c10::cuda::CUDAGuard guard(a.device());
+  at::Tensor partial = at::empty({shape.batch * ghost_items_per_example(shape.seq)}, out.options());
+  const cudaError_t err = launch_ghost_norm_sq_cuda(a.data_ptr(), g.data_ptr(), shape, kind,
+                                                    partial.data_ptr<float>(), out.data_ptr<float>(),
+                                                    at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "fastdp ghost_norm_sq: CUDA launch failed: ", cudaGetErrorString(err));
+  return out;
+#else
+  TORCH_CHECK(false, "fastdp ghost_norm_sq: fastdp._C was built without CUDA; tensors are on ", a.device());
+#endif
+}
+
+// (norms, factors), fp32 [B], of sq_norms [L, B] (fp32, contiguous): norms = sqrt of the
+// column sums, factors = min(1, clip_norm / (norms + 1e-6)); NaN propagates.
+std::tuple<at::Tensor, at::Tensor> clip_factors(const at::Tensor& sq_norms, double clip_norm) {
+  TORCH_CHECK(sq_norms.dim() == 2, "fastdp clip_factors: sq_norms must be [L, B], got ", sq_norms.sizes());
+  TORCH_CHECK(sq_norms.scalar_type() == at::kFloat, "fastdp clip_factors: sq_norms must be float32, got ",
+              sq_norms.scalar_type());
+  TORCH_CHECK(sq_norms.is_contiguous(), "fastdp clip_factors: sq_norms must be contiguous");
+  TORCH_CHECK(std::isfinite(clip_norm) && clip_norm > 0, "fastdp clip_factors: clip_norm must be finite and > 0, got ",
+              clip_norm);
+  const int64_t layers = sq_norms.size(0), batch = sq_norms.size(1);
+  at::Tensor norms = at::empty({batch}, sq_norms.options());
+  at::Tensor factors = at::empty({batch}, sq_norms.options());
+  if (batch == 0) return {norms, factors};
+  const float clip = static_cast<float>(clip_norm);
+  if (sq_norms.device().is_cpu()) {
+    clip_factors_cpu(sq_norms.data_ptr<float>(), layers, batch, clip, norms.data_ptr<float>(),
+                     factors.data_ptr<float>());
+    return {norms, factors};
+  }
+#ifdef FASTDP_WITH_CUDA
+  TORCH_CHECK(sq_norms.device().is_cuda(), "fastdp clip_factors: unsupported device ", sq_norms.device());
+  const c10::cuda::CUDAGuard guard(sq_norms.device());
+  const cudaError_t err =
+      launch_clip_factors_cuda(sq_norms.data_ptr<float>(), layers, batch, clip, norms.data_ptr<float>(),
+                               factors.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "fastdp clip_factors: CUDA launch failed: ", cudaGetErrorString(err));
+  return {norms, factors};
+#else
+  TORCH_CHECK(false, "fastdp clip_factors: fastdp._C was built without CUDA; tensors are on ", sq_norms.device());
+#endif
+}
+
 bool has_cuda() {
 #ifdef FASTDP_WITH_CUDA
   return true;
@@ -117,5 +201,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("noise_", &fastdp::noise_, "Fused per-tensor Gaussian noise / noisy SGD step",
         py::arg("grads"), py::arg("params"), py::arg("stds"), py::arg("stream_starts"),
         py::arg("seed"), py::arg("offset"), py::arg("num_draws"), py::arg("step"));
+  m.def("ghost_norm_sq", &fastdp::ghost_norm_sq, "Per-example ghost norms ||a_b^T g_b||_F^2 of a Linear layer",
+        py::arg("a"), py::arg("g"));
+  m.def("clip_factors", &fastdp::clip_factors, "Per-example norms and DP-SGD clip factors from [L, B] squared norms",
+        py::arg("sq_norms"), py::arg("clip_norm"));
   m.def("has_cuda", &fastdp::has_cuda, "Whether this build has the CUDA kernels");
 }

@@ -140,3 +140,47 @@ def test_noise_is_keyed_by_step():
 def test_dpsgd_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DPSGD(**kwargs)
+
+
+def test_per_layer_clipping_noise_and_accounting():
+    """Per-layer bounds C_l: layer l gets noise std sigma sqrt(L) C_l on its sum; the step accounts as sigma."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 300))
+    sigma, bounds, q, n = 1.3, [0.5, 2.0], 0.1, 100
+    variant = DPSGD(bounds, sigma, q, n, seed=3, loss_fn=lambda logits, y: 0.0 * logits.sum(1))
+    x, y = torch.randn(8, 300), torch.zeros(8, dtype=torch.int64)
+    variant.gradient(model, Batch(x, y, torch.ones(8, dtype=torch.bool)), step=0)
+    for layer, bound in zip(model, bounds, strict=True):
+        noise = torch.cat([layer.weight.grad.reshape(-1), layer.bias.grad]).double()
+        expected = sigma * math.sqrt(2) * bound / (q * n)
+        assert abs(noise.std().item() - expected) < SIGMAS * expected / math.sqrt(2 * noise.numel())
+    assert variant.privacy_event() == (pytest.approx(sigma), q)
+
+
+def test_per_layer_clipping_bounds_each_layer():
+    """One huge example moves each layer's clipped sum by at most that layer's bound."""
+    model = _model()
+    bounds = [0.3, 0.05]
+    batch = _batch()
+    outlier = Batch(torch.cat([batch.x, 1e6 * torch.ones(1, 6, dtype=torch.float64)]), torch.cat([batch.y,
+                    torch.tensor([1])]), torch.ones(13, dtype=torch.bool))  # fmt: skip
+    from fastdp.algorithms.dpsgd import ghost_clipped_gradient_sum
+    from fastdp.nn import convert
+
+    convert(model)
+    without, _ = ghost_clipped_gradient_sum(model, per_example_cross_entropy, batch, bounds)
+    with_outlier, _ = ghost_clipped_gradient_sum(model, per_example_cross_entropy, outlier, bounds)
+    for layer_params, bound in (((0, 1), bounds[0]), ((2, 3), bounds[1])):
+        shift = math.sqrt(sum((with_outlier[i] - without[i]).pow(2).sum().item() for i in layer_params))
+        assert shift <= bound * (1 + 1e-9)
+
+
+def test_ghost_and_reference_modes_give_the_same_update():
+    model = _model()
+    for mode in ("ghost", "reference"):
+        DPSGD(0.2, 1.0, 0.1, 120, seed=9, mode=mode).gradient(model, _batch(), step=4)
+        grads = [p.grad.clone() for p in model.parameters()]
+        if mode == "ghost":
+            ghost = grads
+    for a, b in zip(ghost, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -74,9 +74,17 @@ def test_per_example_grads_vmap(case):
 
 
 def test_unknown_model():
-    with pytest.raises(ValueError, match="available: auto, cnn, linear, mlp"):
+    with pytest.raises(ValueError, match="available: auto, cnn, linear, mlp, opacus_cnn"):
         build_model("resnet", (30,), 2)
-    assert set(MODELS) == {"auto", "cnn", "linear", "mlp"}
+    assert set(MODELS) == {"auto", "cnn", "linear", "mlp", "opacus_cnn"}
+
+
+def test_opacus_cnn_shape_and_size():
+    model = build_model("opacus_cnn", (1, 28, 28), 10)
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+    assert sum(p.numel() for p in model.parameters()) == 26010
+    with pytest.raises(ValueError, match=r"\(1, 28, 28\)"):
+        build_model("opacus_cnn", (1, 8, 8), 10)
 
 
 @pytest.mark.parametrize("shape", [(30,), (1, 2, 2), (1, 28), (3, 3, 28)])

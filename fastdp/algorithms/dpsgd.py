@@ -7,21 +7,35 @@ One step, for the batch B (Poisson-sampled with rate q from N examples):
 Adjacency add/remove-one: the sum has L2 sensitivity C, so the noise multiplier sigma is
 what the accountant records with sample rate q.
 
-Per-example gradients come from ``torch.func`` (vmap of grad): the reference path. A
-faster one-backward path plugs in here as another ``clipped_gradient_sum``.
+Two ways to get the clipped sum, same result:
+* ``mode="ghost"`` (default): one forward and one backward through fastdp DP layers
+  (``fastdp.nn``; plain torch layers are converted): per-example norms from each layer's
+  input and output gradient, then each layer's clipped sum as one GEMM (book-keeping).
+* ``mode="reference"``: per-example gradients from ``torch.func`` (vmap of grad); any
+  module, slow; the baseline for tests.
+
+Per-layer clipping: ``clip_norm`` may be a list with one threshold C_l per DP layer (in
+``model.modules()`` order). Layer l's part of each per-example gradient is clipped to C_l
+and its sum gets noise std sigma * sqrt(L) * C_l: L Gaussian mechanisms with multipliers
+sigma * sqrt(L), which account as one with multiplier (sum_l (sigma sqrt L)^-2)^-1/2 = sigma
+(``fastdp.privacy.per_layer_noise_multiplier``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch.func import functional_call, grad, vmap
 
 from fastdp.algorithms.base import Batch, Variant, per_example_cross_entropy, trainable_parameters
-from fastdp.ops import add_noise_
+from fastdp.nn import DPLayer, GhostClipping, check_supported, convert
+from fastdp.ops import add_noise_, clip_factors
+from fastdp.privacy.accounting import per_layer_noise_multiplier
 
 NORM_EPS = 1e-6  # in the clip factor's denominator (Opacus' convention)
+MODES = ("ghost", "reference")
 
 
 def per_example_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -39,22 +53,84 @@ def per_example_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: t
     return [grads[n] for n in names]
 
 
-def clip_factors(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
-    """c_i = min(1, C / (norm_i + 1e-6))."""
-    return (clip_norm / (norms + NORM_EPS)).clamp(max=1.0)
+def dp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The DP layers of ``model`` with trainable parameters, in ``model.modules()`` order (per-layer clipping)."""
+    return [m for m in model.modules() if isinstance(m, DPLayer) and m.dp_parameters()]
+
+
+def _factors(sq_norms: torch.Tensor, clip_norm: float | Sequence[float]) -> torch.Tensor:
+    """Clip factors [L, B] from per-layer squared norms [L, B]: one global bound, or one per layer."""
+    if isinstance(clip_norm, (int, float)):
+        _, factors = clip_factors(sq_norms, float(clip_norm))
+        return factors.unsqueeze(0).expand_as(sq_norms)
+    bounds = torch.tensor(clip_norm, dtype=sq_norms.dtype, device=sq_norms.device).unsqueeze(1)
+    return (bounds / (sq_norms.sqrt() + NORM_EPS)).clamp(max=1.0)
+
+
+def ghost_clipped_gradient_sum(
+    model: torch.nn.Module, loss_fn, batch: Batch, clip_norm: float | Sequence[float]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(sum over real examples of the clipped per-example gradients per trainable parameter, summed loss).
+
+    One forward and one backward through fastdp DP layers; per-example gradients are never formed where the
+    ghost norm is cheaper. ``model`` must consist of DP layers (see :func:`fastdp.nn.convert`).
+    """
+    params = trainable_parameters(model)
+    if batch.x.shape[0] == 0:
+        return [torch.zeros_like(p) for p in params], torch.zeros((), device=batch.x.device)
+    with GhostClipping() as ctx:
+        losses = loss_fn(model(batch.x), batch.y) * batch.mask
+    records = ctx.records
+    size = batch.x.shape[0]
+    for r in records:
+        if r.tap.dim() == 0 or r.tap.shape[0] != size:
+            raise ValueError(
+                f"{type(r.layer).__name__} was called on a tensor whose first dimension ({tuple(r.tap.shape)}) is not "
+                f"the batch ({size} examples): DP layers need batch-first inputs so each row belongs to one example "
+                "(e.g. expand position indices to [B, T] before a positional Embedding)"
+            )
+    owned = {id(p) for r in records for p in r.layer.dp_parameters()}
+    missing = [p for p in params if id(p) not in owned]
+    if missing:
+        check_supported(model)  # names the modules if that is the cause
+        raise ValueError(
+            f"{len(missing)} trainable parameters were not used through a fastdp DP layer in the forward; "
+            "freeze them or use DPSGD(mode='reference')"
+        )
+    grads_out = torch.autograd.grad(losses.sum(), [r.tap for r in records], allow_unused=True)
+    grads_out = [torch.zeros_like(r.tap) if g is None else g for r, g in zip(records, grads_out, strict=True)]
+    sq_norms = torch.stack([r.layer.per_example_sq_norms(r.saved, g) for r, g in zip(records, grads_out, strict=True)])
+    if not isinstance(clip_norm, (int, float)):
+        order = {id(m): i for i, m in enumerate(dp_layers(model))}
+        clip_norm = [clip_norm[order[id(r.layer)]] for r in records]
+    factors = _factors(sq_norms, clip_norm) * batch.mask.to(sq_norms.dtype)
+    sums: dict[int, torch.Tensor] = {}
+    for r, g, c in zip(records, grads_out, factors, strict=True):
+        for p, total in zip(r.layer.dp_parameters(), r.layer.clipped_grad_sums(r.saved, g, c), strict=True):
+            sums[id(p)] = total.to(p.dtype)
+    return [sums[id(p)] for p in params], losses.detach().sum()
 
 
 def clipped_gradient_sum(
-    model: torch.nn.Module, loss_fn, batch: Batch, clip_norm: float
+    model: torch.nn.Module, loss_fn, batch: Batch, clip_norm: float | Sequence[float]
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(sum over real examples of the clipped per-example gradients per parameter, summed loss). Reference path."""
+    """Same as :func:`ghost_clipped_gradient_sum` from ``torch.func`` per-example gradients (reference)."""
     params = trainable_parameters(model)
     if batch.x.shape[0] == 0:
         return [torch.zeros_like(p) for p in params], torch.zeros((), device=batch.x.device)
     per_example = per_example_gradients(model, loss_fn, batch.x, batch.y)
-    squared = sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in per_example)
-    weights = clip_factors(squared.sqrt(), clip_norm) * batch.mask.to(squared.dtype)
-    sums = [torch.einsum("b,b...->...", weights, g) for g in per_example]
+    if isinstance(clip_norm, (int, float)):
+        groups = [list(range(len(params)))]
+    else:  # one group per DP layer
+        index = {id(p): i for i, p in enumerate(params)}
+        groups = [[index[id(p)] for p in layer.dp_parameters()] for layer in dp_layers(model)]
+    sq_norms = torch.stack([sum(per_example[i].reshape(per_example[i].shape[0], -1).pow(2).sum(1) for i in group)
+                            for group in groups])  # fmt: skip
+    factors = _factors(sq_norms, clip_norm) * batch.mask.to(sq_norms.dtype)
+    sums = [None] * len(params)
+    for group, c in zip(groups, factors, strict=True):
+        for i in group:
+            sums[i] = torch.einsum("b,b...->...", c.to(per_example[i].dtype), per_example[i])
     with torch.no_grad():
         loss = (loss_fn(model(batch.x), batch.y) * batch.mask).sum()
     return sums, loss
@@ -68,45 +144,80 @@ class DPSGD(Variant):
 
     def __init__(
         self,
-        clip_norm: float,
+        clip_norm: float | Sequence[float],
         noise_multiplier: float,
         sample_rate: float,
         num_examples: int,
         seed: int = 0,
         secure: bool = False,
+        mode: str = "ghost",
         loss_fn=per_example_cross_entropy,
     ) -> None:
         super().__init__(loss_fn)
-        if not (math.isfinite(clip_norm) and clip_norm > 0):
-            raise ValueError(f"clip norm C must be finite and > 0, got {clip_norm}")
+        bounds = [clip_norm] if isinstance(clip_norm, (int, float)) else list(clip_norm)
+        if not bounds or not all(math.isfinite(c) and c > 0 for c in bounds):
+            raise ValueError(f"clip norm C must be finite and > 0 (one value, or one per DP layer), got {clip_norm}")
         if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
             raise ValueError(f"noise multiplier must be finite and >= 0, got {noise_multiplier}")
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
-        self.clip_norm = float(clip_norm)
+        if mode not in MODES:
+            raise ValueError(f"unknown DP-SGD mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.clip_norm = float(clip_norm) if isinstance(clip_norm, (int, float)) else [float(c) for c in bounds]
         self.noise_multiplier = float(noise_multiplier)
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = self.sample_rate * num_examples
         self.seed = seed
         self.secure = secure
+        self.mode = mode
+        self._prepared: set[int] = set()
+
+    def _prepare(self, model: torch.nn.Module) -> None:
+        """Ghost mode: convert torch layers to DP layers once per model (in place; parameters are kept)."""
+        if self.mode == "ghost" and id(model) not in self._prepared:
+            convert(model)
+            self._prepared.add(id(model))
+
+    def _noise_stds(self, model: torch.nn.Module) -> list[float]:
+        """Noise std per trainable parameter tensor (on the clipped sum)."""
+        params = trainable_parameters(model)
+        if isinstance(self.clip_norm, float):
+            return [self.noise_multiplier * self.clip_norm] * len(params)
+        layers = dp_layers(model)
+        if len(layers) != len(self.clip_norm):
+            raise ValueError(
+                f"per-layer clipping: {len(self.clip_norm)} clip norms for {len(layers)} DP layers with trainable "
+                "parameters; give one per layer, in model.modules() order"
+            )
+        scale = self.noise_multiplier * math.sqrt(len(layers))
+        std_of = {id(p): scale * c for layer, c in zip(layers, self.clip_norm, strict=True)
+                  for p in layer.dp_parameters()}  # fmt: skip
+        return [std_of[id(p)] for p in params]
 
     def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
-        sums, loss = clipped_gradient_sum(model, self.loss_fn, batch, self.clip_norm)
-        std = self.noise_multiplier * self.clip_norm
+        self._prepare(model)
+        clipped_sum = ghost_clipped_gradient_sum if self.mode == "ghost" else clipped_gradient_sum
+        sums, loss = clipped_sum(model, self.loss_fn, batch, self.clip_norm)
+        stds = self._noise_stds(model)
         if self.secure:
-            add_noise_(sums, std, secure=True)
+            add_noise_(sums, stds, secure=True)
         else:
-            add_noise_(sums, std, seed=self.seed, offset=step)
+            add_noise_(sums, stds, seed=self.seed, offset=step)
         for p, total in zip(trainable_parameters(model), sums, strict=True):
             p.grad = total.div_(self.expected_batch_size)
         return loss
 
     def privacy_event(self) -> tuple[float, float]:
-        return self.noise_multiplier, self.sample_rate
+        if isinstance(self.clip_norm, float):
+            return self.noise_multiplier, self.sample_rate
+        layers = len(self.clip_norm)
+        stds = [self.noise_multiplier * math.sqrt(layers) * c for c in self.clip_norm]
+        return per_layer_noise_multiplier(self.clip_norm, stds), self.sample_rate
 
     def describe(self) -> dict:
         return {
             "variant": self.name,
+            "mode": self.mode,
             "clip_norm": self.clip_norm,
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,

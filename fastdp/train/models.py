@@ -19,6 +19,8 @@ MODELS: dict[str, str] = {
     "mlp": "flatten + `depth` hidden Linear layers of width `hidden` with ReLU + a Linear classifier (any input shape)",
     "cnn": "two 3x3 conv layers (16, 32 channels, padding 1) each with ReLU and 2x2 max-pool + a Linear classifier; "
     "for image inputs (C, H, W) with H, W >= 4, e.g. (1, 28, 28) MNIST or (1, 8, 8) digits",
+    "opacus_cnn": "the CNN of Opacus' MNIST example (conv 16x8x8/2, conv 32x4x4/2, 2 linear layers; 26K params); "
+    "for (1, 28, 28) inputs",
     "auto": "cnn for 3-D image input shapes (C, H, W), mlp otherwise",
 }
 
@@ -49,6 +51,14 @@ def build_model(
         in_features *= s
     if name == "linear":
         return nn.Sequential(nn.Flatten(), nn.Linear(in_features, num_classes))
+    if name == "opacus_cnn":
+        if input_shape != (1, 28, 28):
+            raise ValueError(f"opacus_cnn is built for (1, 28, 28) inputs (MNIST), got {input_shape}")
+        return nn.Sequential(
+            nn.Conv2d(1, 16, 8, stride=2, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1),
+            nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(), nn.MaxPool2d(2, 1),
+            nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, num_classes),
+        )  # fmt: skip
     if name == "mlp":
         if hidden < 1 or depth < 1:
             raise ValueError(f"mlp needs hidden >= 1 and depth >= 1 (use 'linear' for none), got {hidden=}, {depth=}")

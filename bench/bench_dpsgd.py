@@ -1,0 +1,216 @@
+"""DP-SGD step time and memory: non-private torch vs Opacus (hooks, ghost) vs fastdp, side by side in one run.
+
+One training step = forward, backward, clipping, noise, optimizer update, on the same model and batch
+(random data of the workload's shape; seeds fixed). Reports the median step time (p20, p80), the ratio to
+non-private, and on CUDA the peak memory and its ratio. Results are appended to bench/results/<device>-dpsgd.csv.
+
+    python bench/bench_dpsgd.py                          # every workload
+    python bench/bench_dpsgd.py --workloads mlp-256 cnn-256 --repeats 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastdp.algorithms import DPSGD, Batch
+from fastdp.train.models import build_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CLIP, SIGMA, LR = 1.0, 1.0, 0.01
+
+
+class TokenTransformer(nn.Module):
+    """Token-wise transformer block: embeddings, pre-norm attention (Linear projections) + MLP, mean-pooled head."""
+
+    def __init__(self, vocab: int = 1000, d: int = 128, seq: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device).repeat(idx.shape[0], 1))
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        x = x + self.proj(torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1) @ v)
+        x = x + self.fc2(torch.relu(self.fc1(self.norm2(x))))
+        return self.head(x.mean(1))
+
+
+def workloads() -> dict:
+    """name -> (model factory, input factory(batch, generator), batch size)."""
+
+    def images(shape):
+        return lambda b, gen: torch.randn(b, *shape, generator=gen)
+
+    def tokens(seq):
+        return lambda b, gen: torch.randint(0, 1000, (b, seq), generator=gen)
+
+    mlp = lambda: nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),  # noqa: E731
+                                nn.Linear(512, 10))  # fmt: skip
+    return {
+        "mlp-256": (mlp, images((784,)), 256),
+        "mlp-4096": (mlp, images((784,)), 4096),
+        "cnn-256": (lambda: build_model("opacus_cnn", (1, 28, 28), 10), images((1, 28, 28)), 256),
+        "transformer-T64": (lambda: TokenTransformer(seq=64), tokens(64), 64),
+        "transformer-T512": (lambda: TokenTransformer(seq=512), tokens(512), 64),
+    }
+
+
+def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """A closure running one full training step of ``provider`` on (x, y)."""
+    b = x.shape[0]
+    if provider == "nonprivate":
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        criterion = nn.CrossEntropyLoss()
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            criterion(model(x), y).backward()
+            optimizer.step()
+
+        return step
+    if provider == "fastdp":
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        variant = DPSGD(CLIP, SIGMA, sample_rate=b / 60_000, num_examples=60_000, seed=0)
+        batch = Batch(x, y, torch.ones(b, dtype=torch.bool, device=x.device))
+        counter = iter(range(1 << 62))
+
+        def step():
+            variant.gradient(model, batch, next(counter))
+            optimizer.step()
+
+        return step
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    if provider == "opacus-hooks":
+        module = GradSampleModule(model)
+        optimizer = DPOptimizer(torch.optim.SGD(module.parameters(), lr=LR), noise_multiplier=SIGMA,
+                                max_grad_norm=CLIP, expected_batch_size=b)  # fmt: skip
+        criterion = nn.CrossEntropyLoss()
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            criterion(module(x), y).backward()
+            optimizer.step()
+
+        return step
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    module = GradSampleModuleFastGradientClipping(model, max_grad_norm=CLIP, use_ghost_clipping=True)
+    optimizer = DPOptimizerFastGradientClipping(torch.optim.SGD(module.parameters(), lr=LR), noise_multiplier=SIGMA,
+                                                max_grad_norm=CLIP, expected_batch_size=b)  # fmt: skip
+    criterion = DPLossFastGradientClipping(module, optimizer, nn.CrossEntropyLoss(), "mean")
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        criterion(module(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def measure(step, device: torch.device, repeats: int) -> tuple[float, float, float]:
+    """Median, p20, p80 step time in ms (CUDA: triton's do_bench; CPU: wall clock after 2 warm-up steps)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return tuple(triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=50, rep=500))
+    step(), step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    q = statistics.quantiles(times, n=10, method="inclusive")
+    return statistics.median(times), q[1], q[7]
+
+
+PROVIDERS = ("nonprivate", "opacus-hooks", "opacus-ghost", "fastdp")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workloads", nargs="+", default=list(workloads()), choices=list(workloads()))
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per provider on CPU")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    device = torch.device(args.device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
+    try:
+        import opacus
+
+        opacus_version = opacus.__version__
+    except ImportError:
+        opacus_version = ""
+        args.providers = [p for p in args.providers if not p.startswith("opacus")]
+        print("opacus is not installed (pip install opacus): Opacus providers skipped", file=sys.stderr)
+    print(
+        f"device {device_name}, torch {torch.__version__}, threads {torch.get_num_threads()}, opacus {opacus_version}"
+    )
+    rows = []
+    for name in args.workloads:
+        factory, inputs, b = workloads()[name]
+        gen = torch.Generator().manual_seed(0)
+        x, y = inputs(b, gen).to(device), torch.randint(0, 10, (b,), generator=gen).to(device)
+        base_ms = base_mem = None
+        for provider in args.providers:
+            torch.manual_seed(0)
+            model = factory().to(device)
+            per_sample_gb = b * sum(p.numel() for p in model.parameters()) * 4 / 2**30
+            if provider == "opacus-hooks" and device.type == "cpu" and per_sample_gb > 4:
+                print(f"{name:18s} {provider:13s} skipped: per-sample gradients would take {per_sample_gb:.1f} GiB "
+                      "of this machine's memory", flush=True)  # fmt: skip
+                continue
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            try:
+                med, p20, p80 = measure(make_step(provider, model, x, y), device, args.repeats)
+            except torch.OutOfMemoryError:
+                print(f"{name:18s} {provider:13s} out of memory", flush=True)
+                continue
+            peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
+            if provider == "nonprivate":
+                base_ms, base_mem = med, peak
+            ratio = med / base_ms if base_ms else float("nan")
+            mem_ratio = peak / base_mem if base_mem else float("nan")
+            rows.append(dict(workload=name, provider=provider, batch=b, median_ms=f"{med:.3f}", p20_ms=f"{p20:.3f}",
+                             p80_ms=f"{p80:.3f}", time_vs_nonprivate=f"{ratio:.3f}", peak_mem_mb=f"{peak:.1f}",
+                             mem_vs_nonprivate=f"{mem_ratio:.3f}", device=device_name,
+                             threads=torch.get_num_threads(), torch=torch.__version__, opacus=opacus_version,
+                             date=datetime.date.today().isoformat()))  # fmt: skip
+            print(f"{name:18s} {provider:13s} {med:10.2f} ms ({p20:.2f}, {p80:.2f})  x{ratio:5.2f} time  "
+                  f"{peak:8.1f} MB  x{mem_ratio:5.2f} memory", flush=True)  # fmt: skip
+    out = args.out or RESULTS / f"{device_name.replace(' ', '_')}-dpsgd.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    new = not out.exists()
+    with out.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {len(rows)} rows to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

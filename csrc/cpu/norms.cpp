@@ -1,0 +1,311 @@
+// CPU kernels of the per-example gradient norms (math and tiling: csrc/include/fastdp/norms.h).
+//
+// Ghost norm: each example is packed once as fp32 panels of kNR rows ([k][kNR] per panel,
+// GotoBLAS style; fp16/bf16 converted here). Gram tiles (kTile x kTile, t-block <= s-block)
+// are made by a register-blocked micro-kernel, kMR x kNR, AVX-512 FMA when the CPU has it
+// and portable loops otherwise, over column chunks that stay in L1; the a- and g-tiles'
+// elementwise product is summed in fp32, tiles and work items in double, in a fixed order.
+// Parallel over examples, or over an example's work items when there are few examples.
+#include "cpu/norms.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define FASTDP_NORMS_AVX512 1
+#endif
+
+namespace fastdp {
+namespace {
+
+constexpr int64_t kTile = kGhostTile;
+constexpr int kMR = 8;   // rows (t) of a micro-tile
+constexpr int kNR = 32;  // columns (s) of a micro-tile: two AVX-512 vectors
+constexpr int64_t kChunk = 128;  // columns per pass over a Gram tile: two panel chunks (2 x 16 KiB) fit in L1
+constexpr int64_t kShortSeq = 32;  // up to here: row dot products (padding a tile would cost more)
+static_assert(kTile % kMR == 0 && kTile % kNR == 0, "micro-tiles must tile a Gram tile");
+
+// Packs rows [q0 * kNR, q1 * kNR) of x ([seq, k], row-major) as fp32 panels of kNR rows:
+// out[(q * k + c) * kNR + r] = x[q * kNR + r, c]; rows >= seq are zero. One k step of a
+// panel is kNR consecutive floats: what the micro-kernel streams on both sides.
+template <typename T>
+void pack_panels(const T* x, int64_t seq, int64_t k, int64_t q0, int64_t q1, float* out) {
+  for (int64_t q = q0; q < q1; ++q) {
+    float* panel = out + q * k * kNR;
+    const int64_t rows = std::min<int64_t>(kNR, seq - q * kNR);
+    const T* src = x + q * kNR * k;
+    for (int64_t c = 0; c < k; ++c) {
+      float* dst = panel + c * kNR;
+      for (int64_t r = 0; r < rows; ++r) dst[r] = static_cast<float>(src[r * k + c]);
+      for (int64_t r = rows; r < kNR; ++r) dst[r] = 0.0f;
+    }
+  }
+}
+
+// c[r * kTile + j] (+)= sum_{k < kc} at[k * kNR + r] * as[k * kNR + j], r < kMR, j < kNR:
+// one micro-tile of a Gram tile over a chunk of kc columns (at: kMR rows inside a panel,
+// as: a whole panel). Portable version.
+void micro_tile_generic(const float* at, const float* as, int64_t kc, float* c, bool accumulate) {
+  float acc[kMR][kNR];
+  for (int r = 0; r < kMR; ++r) {
+    for (int j = 0; j < kNR; ++j) acc[r][j] = accumulate ? c[r * kTile + j] : 0.0f;
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int r = 0; r < kMR; ++r) {
+      const float v = at[k * kNR + r];
+      for (int j = 0; j < kNR; ++j) acc[r][j] += v * as[k * kNR + j];
+    }
+  }
+  for (int r = 0; r < kMR; ++r) {
+    for (int j = 0; j < kNR; ++j) c[r * kTile + j] = acc[r][j];
+  }
+}
+
+#ifdef FASTDP_NORMS_AVX512
+// The same with AVX-512 FMA: 16 accumulators (kMR rows x two 16-float vectors).
+__attribute__((target("avx512f"))) void micro_tile_avx512(const float* at, const float* as, int64_t kc, float* c,
+                                                          bool accumulate) {
+  __m512 acc[kMR][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < kMR; ++r) {
+    acc[r][0] = accumulate ? _mm512_loadu_ps(c + r * kTile) : _mm512_setzero_ps();
+    acc[r][1] = accumulate ? _mm512_loadu_ps(c + r * kTile + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 s0 = _mm512_loadu_ps(as + k * kNR);
+    const __m512 s1 = _mm512_loadu_ps(as + k * kNR + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < kMR; ++r) {
+      const __m512 v = _mm512_set1_ps(at[k * kNR + r]);
+      acc[r][0] = _mm512_fmadd_ps(v, s0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(v, s1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kMR; ++r) {
+    _mm512_storeu_ps(c + r * kTile, acc[r][0]);
+    _mm512_storeu_ps(c + r * kTile + 16, acc[r][1]);
+  }
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+#else
+bool cpu_has_avx512() { return false; }
+#endif
+
+// Gram tile c[r * kTile + j] = x[t0 + r] . x[s0 + j] for r < row_groups * kMR and
+// j < col_panels * kNR, from the packed panels xp of x ([seq, k]). Columns go in chunks
+// of kChunk so a panel chunk of each side stays in L1 while the micro-tiles use it.
+void gram_tile(const float* xp, int64_t k, int64_t t0, int64_t row_groups, int64_t s0, int64_t col_panels,
+               bool avx512, float* c) {
+  for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, k - k0);
+    for (int64_t q = 0; q < col_panels; ++q) {
+      const float* as = xp + ((s0 / kNR + q) * k + k0) * kNR;
+      for (int64_t i = 0; i < row_groups; ++i) {
+        const int64_t row = t0 + i * kMR;
+        const float* at = xp + ((row / kNR) * k + k0) * kNR + row % kNR;
+        float* out = c + i * kMR * kTile + q * kNR;
+#ifdef FASTDP_NORMS_AVX512
+        if (avx512) {
+          micro_tile_avx512(at, as, kc, out, k0 > 0);
+          continue;
+        }
+#endif
+        micro_tile_generic(at, as, kc, out, k0 > 0);
+      }
+    }
+  }
+}
+
+// Sum over s-blocks j >= tb of <A_tile(tb, j), G_tile(tb, j)> (off-diagonal tiles twice),
+// from the packed panels of one example. tiles: 2 * kTile * kTile floats.
+double ghost_t_block(const float* ap, const float* gp, int64_t seq, int64_t d, int64_t p, int64_t tb, bool avx512,
+                     float* tiles) {
+  float* ca = tiles;
+  float* cg = tiles + kTile * kTile;
+  const int64_t t0 = tb * kTile;
+  const int64_t row_groups = (std::min(kTile, seq - t0) + kMR - 1) / kMR;
+  double total = 0.0;
+  for (int64_t s0 = t0; s0 < seq; s0 += kTile) {
+    const int64_t col_panels = (std::min(kTile, seq - s0) + kNR - 1) / kNR;
+    gram_tile(ap, d, t0, row_groups, s0, col_panels, avx512, ca);
+    gram_tile(gp, p, t0, row_groups, s0, col_panels, avx512, cg);
+    float tile = 0.0f;  // padded rows and columns are zero in both tiles
+    for (int64_t r = 0; r < row_groups * kMR; ++r) {
+      for (int64_t j = 0; j < col_panels * kNR; ++j) tile += ca[r * kTile + j] * cg[r * kTile + j];
+    }
+    total += (s0 == t0 ? 1.0 : 2.0) * static_cast<double>(tile);  // off-diagonal: (t, s) and (s, t)
+  }
+  return total;
+}
+
+// Work item k of one example: t-blocks k and n-1-k (fastdp/norms.h).
+double ghost_item(const float* ap, const float* gp, int64_t seq, int64_t d, int64_t p, int64_t item, bool avx512,
+                  float* tiles) {
+  const int64_t last = ghost_num_t_blocks(seq) - 1 - item;
+  double total = ghost_t_block(ap, gp, seq, d, p, item, avx512, tiles);
+  if (last != item) total += ghost_t_block(ap, gp, seq, d, p, last, avx512, tiles);
+  return total;
+}
+
+// Short sequences (seq <= kShortSeq): the Gram entries as plain dot products of fp32
+// rows, out = sum_t |a_t|^2 |g_t|^2 + 2 sum_{t<s} (a_t . a_s)(g_t . g_s); no padding to tiles.
+float dot_generic(const float* x, const float* y, int64_t k) {
+  float acc[8] = {};
+  int64_t c = 0;
+  for (; c + 8 <= k; c += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += x[c + l] * y[c + l];
+  }
+  for (; c < k; ++c) acc[0] += x[c] * y[c];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+#ifdef FASTDP_NORMS_AVX512
+__attribute__((target("avx512f"))) float dot_avx512(const float* x, const float* y, int64_t k) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= k; c += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(y + c), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(y + c + 16), acc1);
+  }
+  for (; c < k; c += 16) {
+    const __mmask16 m = k - c >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (k - c)) - 1);
+    acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + c), _mm512_maskz_loadu_ps(m, y + c), acc0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#endif
+
+float dot(bool avx512, const float* x, const float* y, int64_t k) {
+#ifdef FASTDP_NORMS_AVX512
+  if (avx512) return dot_avx512(x, y, k);
+#endif
+  return dot_generic(x, y, k);
+}
+
+// Rows of x ([seq, k]) as fp32, row-major: the input itself for fp32, else converted into buf.
+template <typename T>
+const float* rows_as_float(const T* x, int64_t count, float* buf) {
+  for (int64_t i = 0; i < count; ++i) buf[i] = static_cast<float>(x[i]);
+  return buf;
+}
+template <>
+const float* rows_as_float<float>(const float* x, int64_t, float*) {
+  return x;
+}
+
+double ghost_short(const float* a, const float* g, int64_t seq, int64_t d, int64_t p, bool avx512) {
+  double total = 0.0;
+  for (int64_t t = 0; t < seq; ++t) {
+    float row = 0.0f;  // sum over s > t, doubled below
+    for (int64_t s = t + 1; s < seq; ++s) {
+      row += dot(avx512, a + t * d, a + s * d, d) * dot(avx512, g + t * p, g + s * p, p);
+    }
+    const float diag = dot(avx512, a + t * d, a + t * d, d) * dot(avx512, g + t * p, g + t * p, p);
+    total += static_cast<double>(diag) + 2.0 * static_cast<double>(row);
+  }
+  return total;
+}
+
+// Each example is packed once (fp32 panels, seq rounded up to kNR rows); its items are
+// added in item order whichever way the work is split, so the result does not depend on
+// the thread count. Many examples: one thread per example. Few: items in parallel.
+template <typename T>
+void ghost_norm_sq_typed(const T* a, const T* g, const GhostNormShape& shape, float* out) {
+  const int64_t seq = shape.seq, d = shape.dim_a, p = shape.dim_g;
+  const int64_t panels = (seq + kNR - 1) / kNR;
+  const int64_t packed_a = panels * kNR * d, packed_g = panels * kNR * p;
+  const int64_t items = ghost_items_per_example(seq);
+  const bool avx512 = cpu_has_avx512();
+  if (seq <= kShortSeq) {
+    at::parallel_for(0, shape.batch, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(std::is_same<T, float>::value ? 0 : static_cast<size_t>(seq * (d + p)));
+      for (int64_t b = begin; b < end; ++b) {
+        const float* ab = rows_as_float(a + b * seq * d, seq * d, buf.data());
+        const float* gb = rows_as_float(g + b * seq * p, seq * p, buf.empty() ? nullptr : buf.data() + seq * d);
+        out[b] = static_cast<float>(ghost_short(ab, gb, seq, d, p, avx512));
+      }
+    });
+    return;
+  }
+  if (shape.batch >= at::get_num_threads() || items == 1) {
+    at::parallel_for(0, shape.batch, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(static_cast<size_t>(packed_a + packed_g + 2 * kTile * kTile));
+      float* ap = buf.data();
+      float* gp = ap + packed_a;
+      for (int64_t b = begin; b < end; ++b) {
+        pack_panels(a + b * seq * d, seq, d, 0, panels, ap);
+        pack_panels(g + b * seq * p, seq, p, 0, panels, gp);
+        double total = 0.0;
+        for (int64_t k = 0; k < items; ++k) total += ghost_item(ap, gp, seq, d, p, k, avx512, gp + packed_g);
+        out[b] = static_cast<float>(total);
+      }
+    });
+    return;
+  }
+  std::vector<float> packed(static_cast<size_t>(packed_a + packed_g));
+  float* ap = packed.data();
+  float* gp = ap + packed_a;
+  std::vector<double> partial(static_cast<size_t>(items));
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      pack_panels(a + b * seq * d, seq, d, begin, end, ap);
+      pack_panels(g + b * seq * p, seq, p, begin, end, gp);
+    });
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> tiles(static_cast<size_t>(2 * kTile * kTile));
+      for (int64_t k = begin; k < end; ++k) partial[k] = ghost_item(ap, gp, seq, d, p, k, avx512, tiles.data());
+    });
+    double total = 0.0;
+    for (int64_t k = 0; k < items; ++k) total += partial[k];
+    out[b] = static_cast<float>(total);
+  }
+}
+
+}  // namespace
+
+void ghost_norm_sq_cpu(const void* a, const void* g, const GhostNormShape& shape, ScalarKind kind, float* out) {
+  if (shape.seq == 0 || shape.dim_a == 0 || shape.dim_g == 0) {
+    std::fill(out, out + shape.batch, 0.0f);
+    return;
+  }
+  switch (kind) {
+    case ScalarKind::kFloat32:
+      ghost_norm_sq_typed(static_cast<const float*>(a), static_cast<const float*>(g), shape, out);
+      break;
+    case ScalarKind::kFloat16:
+      ghost_norm_sq_typed(static_cast<const c10::Half*>(a), static_cast<const c10::Half*>(g), shape, out);
+      break;
+    case ScalarKind::kBFloat16:
+      ghost_norm_sq_typed(static_cast<const c10::BFloat16*>(a), static_cast<const c10::BFloat16*>(g), shape, out);
+      break;
+  }
+}
+
+void clip_factors_cpu(const float* sq, int64_t layers, int64_t batch, float clip, float* norms, float* factors) {
+  at::parallel_for(0, batch, 4096, [&](int64_t begin, int64_t end) {
+    std::fill(norms + begin, norms + end, 0.0f);
+    for (int64_t l = 0; l < layers; ++l) {
+      const float* row = sq + l * batch;
+      for (int64_t i = begin; i < end; ++i) norms[i] += row[i];
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      norms[i] = std::sqrt(norms[i]);
+      const float f = clip / (norms[i] + kClipEps);
+      factors[i] = f > 1.0f ? 1.0f : f;  // NaN > 1 is false: NaN stays NaN
+    }
+  });
+}
+
+}  // namespace fastdp

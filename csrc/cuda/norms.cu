@@ -1,0 +1,168 @@
+// CUDA kernels of the per-example gradient norms (math and tiling: csrc/include/fastdp/norms.h).
+//
+// Ghost norm: block w handles work item w (example w / items, t-blocks k and n-1-k).
+// For each 64 x 64 Gram tile, chunks of kChunk columns of the t rows and the s rows are
+// staged (as fp32, zero-padded) in shared memory; each of the 16 x 16 threads keeps a
+// 4 x 4 sub-tile of both Gram tiles in registers (rows ty + 16 i, columns tx + 16 j: no
+// bank conflicts) and adds their elementwise product. A fixed-order block reduction
+// writes the item's partial; a second kernel adds an example's partials in item order.
+// fp32 SIMT math, int64 indexing; deterministic (no atomics).
+#include "cuda/norms.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace fastdp {
+namespace {
+
+constexpr int kSide = 16;                // threads per side of the block
+constexpr int kThreads = kSide * kSide;  // 256
+constexpr int kSub = 4;                  // sub-tile side per thread: kSide * kSub = kGhostTile
+constexpr int kChunk = 16;               // columns staged per step
+static_assert(kSide * kSub == kGhostTile, "threads must cover a Gram tile");
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// acc[i][j] = x[t0 + ty + 16 i] . x[s0 + tx + 16 j] (rows >= seq read as 0); x is [seq, k_dim].
+template <typename T>
+__device__ __forceinline__ void gram_sub_tile(const T* __restrict__ x, int64_t t0, int64_t s0, int64_t seq,
+                                              int64_t k_dim, float (*sh_t)[kGhostTile + 1],
+                                              float (*sh_s)[kGhostTile + 1], float (&acc)[kSub][kSub]) {
+  const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) acc[i][j] = 0.0f;
+  }
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
+    for (int e = threadIdx.x; e < kGhostTile * kChunk; e += kThreads) {
+      const int r = e / kChunk, c = e % kChunk;  // consecutive threads: consecutive columns of a row
+      const int64_t k = k0 + c;
+      const int64_t rt = t0 + r, rs = s0 + r;
+      sh_t[c][r] = (rt < seq && k < k_dim) ? to_float(x[rt * k_dim + k]) : 0.0f;
+      sh_s[c][r] = (rs < seq && k < k_dim) ? to_float(x[rs * k_dim + k]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      float vt[kSub], vs[kSub];
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) vt[i] = sh_t[c][ty + kSide * i];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) vs[j] = sh_s[c][tx + kSide * j];
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) acc[i][j] = fmaf(vt[i], vs[j], acc[i][j]);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    ghost_tiles_kernel(const T* __restrict__ a, const T* __restrict__ g, GhostNormShape shape, int64_t items,
+                       int64_t num_t_blocks, float* __restrict__ partial) {
+  __shared__ float sh_t[kChunk][kGhostTile + 1];
+  __shared__ float sh_s[kChunk][kGhostTile + 1];
+  __shared__ float warp_sums[kThreads / 32];
+  const int64_t w = blockIdx.x;
+  const int64_t b = w / items, item = w % items;
+  const int64_t seq = shape.seq;
+  const T* ab = a + b * seq * shape.dim_a;
+  const T* gb = g + b * seq * shape.dim_g;
+  const int64_t last = num_t_blocks - 1 - item;
+  float local = 0.0f;
+  for (int pass = 0; pass < (last == item ? 1 : 2); ++pass) {
+    const int64_t t0 = (pass == 0 ? item : last) * kGhostTile;
+    for (int64_t s0 = t0; s0 < seq; s0 += kGhostTile) {
+      float ga[kSub][kSub], gg[kSub][kSub];
+      gram_sub_tile(ab, t0, s0, seq, shape.dim_a, sh_t, sh_s, ga);
+      gram_sub_tile(gb, t0, s0, seq, shape.dim_g, sh_t, sh_s, gg);
+      float tile = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) tile = fmaf(ga[i][j], gg[i][j], tile);
+      }
+      local += (s0 == t0 ? 1.0f : 2.0f) * tile;  // off-diagonal tiles: (t, s) and (s, t)
+    }
+  }
+  // Fixed-order block reduction: warps by shuffles, then warp 0 over the warp sums.
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) local += __shfl_down_sync(0xffffffffu, local, offset);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = local;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.0f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+    if (threadIdx.x == 0) partial[w] = v;
+  }
+}
+
+// out[b] = sum of example b's item partials, in item order.
+__global__ void ghost_sum_kernel(const float* __restrict__ partial, int64_t batch, int64_t items,
+                                 float* __restrict__ out) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= batch) return;
+  float sum = 0.0f;
+  for (int64_t k = 0; k < items; ++k) sum += partial[b * items + k];
+  out[b] = sum;
+}
+
+__global__ void clip_factors_kernel(const float* __restrict__ sq, int64_t layers, int64_t batch, float clip,
+                                    float* __restrict__ norms, float* __restrict__ factors) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= batch) return;
+  float sum = 0.0f;
+  for (int64_t l = 0; l < layers; ++l) sum += sq[l * batch + i];  // coalesced across threads
+  const float norm = sqrtf(sum);                                  // IEEE (no fast-math)
+  const float f = clip / (norm + kClipEps);
+  norms[i] = norm;
+  factors[i] = f > 1.0f ? 1.0f : f;  // not fminf: it would turn NaN into 1
+}
+
+template <typename T>
+cudaError_t launch_ghost_typed(const void* a, const void* g, GhostNormShape shape, float* partial, float* out,
+                               cudaStream_t stream) {
+  const int64_t items = ghost_items_per_example(shape.seq);
+  const int64_t blocks = shape.batch * items;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  ghost_tiles_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
+      static_cast<const T*>(a), static_cast<const T*>(g), shape, items, ghost_num_t_blocks(shape.seq), partial);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int64_t sum_blocks = (shape.batch + kThreads - 1) / kThreads;
+  ghost_sum_kernel<<<static_cast<unsigned int>(sum_blocks), kThreads, 0, stream>>>(partial, shape.batch, items, out);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_ghost_norm_sq_cuda(const void* a, const void* g, GhostNormShape shape, ScalarKind kind,
+                                      float* partial, float* out, cudaStream_t stream) {
+  if (shape.batch == 0) return cudaSuccess;
+  if (shape.seq <= 0 || shape.dim_a <= 0 || shape.dim_g <= 0) return cudaErrorInvalidValue;
+  switch (kind) {
+    case ScalarKind::kFloat32: return launch_ghost_typed<float>(a, g, shape, partial, out, stream);
+    case ScalarKind::kFloat16: return launch_ghost_typed<__half>(a, g, shape, partial, out, stream);
+    case ScalarKind::kBFloat16: return launch_ghost_typed<__nv_bfloat16>(a, g, shape, partial, out, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t launch_clip_factors_cuda(const float* sq, int64_t layers, int64_t batch, float clip, float* norms,
+                                     float* factors, cudaStream_t stream) {
+  if (batch == 0) return cudaSuccess;
+  const int64_t blocks = (batch + kThreads - 1) / kThreads;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  clip_factors_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(sq, layers, batch, clip, norms,
+                                                                                  factors);
+  return cudaGetLastError();
+}
+
+}  // namespace fastdp

@@ -1,0 +1,78 @@
+"""Drop-in DP layers and :func:`convert`, which makes an existing model use them."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fastdp.nn.ghost import GhostClipping, active_context
+from fastdp.nn.layers import DP_LAYERS, Conv1d, Conv2d, DPLayer, Embedding, GroupNorm, LayerNorm, Linear
+
+__all__ = [
+    "Conv1d",
+    "Conv2d",
+    "DPLayer",
+    "Embedding",
+    "GhostClipping",
+    "GroupNorm",
+    "LayerNorm",
+    "Linear",
+    "UnsupportedLayerError",
+    "active_context",
+    "check_supported",
+    "convert",
+]
+
+_ALTERNATIVES = {
+    "BatchNorm": "GroupNorm (or LayerNorm): batch statistics mix examples, so per-example gradients do not exist",
+    "InstanceNorm": "GroupNorm with num_groups = channels and affine=True",
+    "RNN": "a Transformer-style block of Linear/LayerNorm/Embedding layers",
+    "LSTM": "a Transformer-style block of Linear/LayerNorm/Embedding layers",
+    "GRU": "a Transformer-style block of Linear/LayerNorm/Embedding layers",
+    "MultiheadAttention": "attention written with fastdp.nn.Linear projections",
+}
+
+
+class UnsupportedLayerError(ValueError):
+    """A model has trainable parameters in modules fastdp cannot clip per example."""
+
+
+def _unsupported(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if not isinstance(module, DPLayer) and any(p.requires_grad for p in module.parameters(recurse=False))
+    ]
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise :class:`UnsupportedLayerError` listing every module with trainable parameters that is not a DP layer."""
+    bad = _unsupported(model)
+    if not bad:
+        return
+    lines = []
+    for name, module in bad:
+        kind = type(module).__name__
+        hint = next((text for key, text in _ALTERNATIVES.items() if key in kind), None)
+        lines.append(f"  {name or '<model>'} ({kind})" + (f": use {hint}" if hint else ""))
+    supported = ", ".join(sorted(t.__name__ for t in DP_LAYERS))
+    raise UnsupportedLayerError(
+        "these modules have trainable parameters that DP-SGD's one-backward clipping cannot handle:\n"
+        + "\n".join(lines)
+        + f"\nSupported layers: {supported} (torch modules are converted by fastdp.nn.convert). Freeze the others "
+        "(requires_grad=False), replace them, or use DPSGD(mode='reference') for arbitrary modules."
+    )
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Turn every supported torch layer of ``model`` into its fastdp DP layer, in place, and check the rest.
+
+    Parameters, buffers and hooks stay as they are (the class is swapped, nothing is copied), so an optimizer
+    built before the call keeps working. Raises :class:`UnsupportedLayerError` for trainable modules that have
+    no DP layer. Returns ``model``.
+    """
+    for module in model.modules():
+        dp_class = DP_LAYERS.get(type(module))
+        if dp_class is not None:
+            module.__class__ = dp_class
+    check_supported(model)
+    return model

@@ -1,0 +1,65 @@
+"""Book-keeping for DP-SGD in one forward and one backward (Bu et al. 2023, "book-keeping" BK).
+
+Inside a :class:`GhostClipping` context, every fastdp DP layer computes its output with
+*detached* parameters and adds a zero "tap" tensor to it. One backward of the summed
+per-example losses then yields, as the gradient of each tap, the layer's output
+gradient G (its rows are per-example, because the loss is a sum over examples and no
+layer mixes examples); no weight gradient is formed. From each layer's saved input A
+and G the layer gives its per-example squared gradient norm without materialising
+per-example gradients (||a_i||^2 ||g_i||^2, or the ghost norm <A_i A_i^T, G_i G_i^T>),
+the clip factors follow, and each layer's clipped sum is one GEMM A^T (c * G).
+
+The context lives for one step only: nothing is registered on the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+_state = threading.local()
+
+
+@dataclass
+class Record:
+    """One DP layer call: the layer, what it saved for the backward (detached), and its tap."""
+
+    layer: torch.nn.Module
+    saved: tuple
+    tap: torch.Tensor
+
+
+class GhostClipping:
+    """Context of one DP-SGD step's forward: DP layers record themselves here instead of producing weight grads."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self._seen: set[int] = set()
+
+    def tap(self, layer: torch.nn.Module, saved: tuple, output: torch.Tensor) -> torch.Tensor:
+        """Register a layer call; returns ``output + tap`` (a zero tensor whose gradient will be G)."""
+        if id(layer) in self._seen:
+            raise ValueError(
+                f"{type(layer).__name__} is called twice in one forward (shared weights): its per-example gradient "
+                "is the sum of both calls, which one-backward clipping cannot split; use DPSGD(mode='reference')"
+            )
+        self._seen.add(id(layer))
+        tap = torch.zeros_like(output, requires_grad=True)
+        self.records.append(Record(layer, saved, tap))
+        return output + tap
+
+    def __enter__(self) -> GhostClipping:
+        if getattr(_state, "context", None) is not None:
+            raise RuntimeError("GhostClipping contexts do not nest")
+        _state.context = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _state.context = None
+
+
+def active_context() -> GhostClipping | None:
+    """The GhostClipping context of the current thread, if a DP step's forward is running."""
+    return getattr(_state, "context", None)

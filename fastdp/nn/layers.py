@@ -1,0 +1,301 @@
+"""Drop-in DP layers: torch modules that, inside a :class:`~fastdp.nn.ghost.GhostClipping` step, give per-example
+gradient norms and clipped gradient sums from one backward (no per-example gradients are materialised where a
+ghost norm is cheaper).
+
+Each class subclasses its torch counterpart with no extra state, so outside a DP step it is that module, its
+``state_dict`` is unchanged, and :func:`fastdp.nn.convert` turns a torch module into one in place. Per layer:
+
+* ``per_example_sq_norms(saved, G)`` -> [B]: sum over the layer's trainable parameters of ||grad_i||^2;
+* ``clipped_grad_sums(saved, G, c)`` -> one tensor per trainable parameter: sum_i c_i grad_i.
+
+G is the gradient of the summed per-example losses w.r.t. the layer output (rows are per-example).
+Norms accumulate in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdp.nn.ghost import active_context
+from fastdp.ops import ghost_norm_sq
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _rowsq(t: torch.Tensor) -> torch.Tensor:
+    """Per-example sum of squares of a [B, ...] tensor, in the accumulation dtype."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).to(_acc(t)).pow(2).sum(1)
+
+
+def _use_ghost(positions: int, out_features: int, in_features: int) -> bool:
+    """Ghost norm (T x T Gram products) when cheaper than the per-example gradient: 2 T^2 < p d."""
+    return 2 * positions * positions < out_features * in_features
+
+
+def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """||a_i^T g_i||_F^2 for a [B, T, d], g [B, T, p]: ghost norm or direct, whichever is cheaper."""
+    _, t, d = a.shape
+    p = g.shape[2]
+    if _use_ghost(t, p, d):
+        return ghost_norm_sq(a, g).to(_acc(a))
+    acc = _acc(a)
+    return _rowsq(torch.einsum("btp,btd->bpd", g.to(acc), a.to(acc)))
+
+
+class DPLayer:
+    """Mixin for DP layers: trainable parameters in ``named_parameters(recurse=False)`` order."""
+
+    def dp_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters(recurse=False) if p.requires_grad]
+
+    def _detached(self, name: str):
+        p = getattr(self, name)
+        return None if p is None else p.detach()
+
+
+class Linear(nn.Linear, DPLayer):
+    """``torch.nn.Linear``; inputs [B, d] or [B, ..., d] (sequence positions flattened into T)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = active_context()
+        if ctx is None or not self.dp_parameters():
+            return super().forward(x)
+        out = F.linear(x, self._detached("weight"), self._detached("bias"))
+        return ctx.tap(self, (x.detach(),), out)
+
+    @staticmethod
+    def _flat(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = math.prod(a.shape[1:-1])
+        return a.reshape(a.shape[0], positions, a.shape[-1]), g.reshape(g.shape[0], positions, g.shape[-1])
+
+    def per_example_sq_norms(self, saved, grad_out: torch.Tensor) -> torch.Tensor:
+        (a,) = saved
+        total = torch.zeros(a.shape[0], dtype=_acc(a), device=a.device)
+        if a.dim() == 2:
+            if self.weight.requires_grad:
+                total += _rowsq(a) * _rowsq(grad_out)
+            if self.bias is not None and self.bias.requires_grad:
+                total += _rowsq(grad_out)
+            return total
+        a3, g3 = self._flat(a, grad_out)
+        if self.weight.requires_grad:
+            total += _sequence_weight_sq(a3, g3)
+        if self.bias is not None and self.bias.requires_grad:
+            total += _rowsq(g3.sum(1))
+        return total
+
+    def clipped_grad_sums(self, saved, grad_out: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
+        (a,) = saved
+        weighted = grad_out * factors.to(grad_out.dtype).reshape(-1, *([1] * (grad_out.dim() - 1)))
+        weighted = weighted.reshape(-1, grad_out.shape[-1])
+        sums = []
+        if self.weight.requires_grad:
+            sums.append(weighted.t() @ a.reshape(-1, a.shape[-1]))
+        if self.bias is not None and self.bias.requires_grad:
+            sums.append(weighted.sum(0))
+        return sums
+
+
+class _ConvNd(DPLayer):
+    """Shared by Conv1d/Conv2d: per-example norms through the unfolded input (im2col)."""
+
+    _spatial: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = active_context()
+        if ctx is None or not self.dp_parameters():
+            return super().forward(x)
+        if self.padding_mode != "zeros":
+            raise ValueError(
+                f"fastdp.nn.{type(self).__name__}: padding_mode={self.padding_mode!r} is not supported in DP "
+                "training; use padding_mode='zeros' (or pad the input with F.pad before the layer)"
+            )
+        out = self._conv_forward(x, self._detached("weight"), self._detached("bias"))
+        return ctx.tap(self, (x.detach(),), out)
+
+    def _padding(self) -> tuple[int, ...]:
+        if isinstance(self.padding, str):
+            if self.padding == "valid":
+                return (0,) * self._spatial
+            raise ValueError(
+                f"fastdp.nn.{type(self).__name__}: padding='same' is not supported; give the padding as integers"
+            )
+        return tuple(self.padding)
+
+    def _unfold(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C_in * prod(k), L] columns of the input, L = output positions."""
+        if self._spatial == 1:
+            x = x.unsqueeze(2)
+            k, s, p, d = (1, *self.kernel_size), (1, *self.stride), (0, *self._padding()), (1, *self.dilation)
+        else:
+            k, s, p, d = self.kernel_size, self.stride, self._padding(), self.dilation
+        return F.unfold(x, k, dilation=d, padding=p, stride=s)
+
+    def _grouped(self, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a [B * groups, L, C_in/g * k], g [B * groups, L, C_out/g]) per example and group."""
+        b, groups = x.shape[0], self.groups
+        cols = self._unfold(x)  # [B, C_in * k, L]
+        positions = cols.shape[-1]
+        a = cols.reshape(b, groups, -1, positions).transpose(2, 3).reshape(b * groups, positions, -1)
+        g = grad_out.reshape(b, groups, -1, positions).transpose(2, 3).reshape(b * groups, positions, -1)
+        return a, g
+
+    def per_example_sq_norms(self, saved, grad_out: torch.Tensor) -> torch.Tensor:
+        (x,) = saved
+        b = x.shape[0]
+        total = torch.zeros(b, dtype=_acc(x), device=x.device)
+        if self.weight.requires_grad and b:
+            a, g = self._grouped(x, grad_out)
+            total += _sequence_weight_sq(a, g).reshape(b, self.groups).sum(1)
+        if self.bias is not None and self.bias.requires_grad:
+            total += _rowsq(grad_out.flatten(2).sum(2))
+        return total
+
+    def clipped_grad_sums(self, saved, grad_out: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
+        (x,) = saved
+        weighted = grad_out * factors.to(grad_out.dtype).reshape(-1, *([1] * (grad_out.dim() - 1)))
+        sums = []
+        if self.weight.requires_grad:
+            weight_grad = torch.nn.grad.conv1d_weight if self._spatial == 1 else torch.nn.grad.conv2d_weight
+            sums.append(
+                weight_grad(x, self.weight.shape, weighted, self.stride, self._padding(), self.dilation, self.groups)
+            )
+        if self.bias is not None and self.bias.requires_grad:
+            sums.append(weighted.flatten(2).sum((0, 2)))
+        return sums
+
+
+class Conv1d(_ConvNd, nn.Conv1d):
+    """``torch.nn.Conv1d`` (padding_mode 'zeros', any stride/padding/dilation/groups)."""
+
+    _spatial = 1
+
+
+class Conv2d(_ConvNd, nn.Conv2d):
+    """``torch.nn.Conv2d`` (padding_mode 'zeros', any stride/padding/dilation/groups)."""
+
+    _spatial = 2
+
+
+class Embedding(nn.Embedding, DPLayer):
+    """``torch.nn.Embedding`` (dense gradients; ``padding_idx`` rows get none). Ghost norm over token matches:
+    ||grad_i||^2 = sum_{t,s} [idx_t == idx_s] <G_t, G_s>, so the vocabulary never enters the cost."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        ctx = active_context()
+        if ctx is None or not self.dp_parameters():
+            return super().forward(idx)
+        if self.sparse or self.max_norm is not None:
+            raise ValueError("fastdp.nn.Embedding: sparse=True and max_norm are not supported in DP training")
+        out = F.embedding(idx, self._detached("weight"), self.padding_idx)
+        return ctx.tap(self, (idx,), out)
+
+    def _tokens(self, idx: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = idx.reshape(idx.shape[0], math.prod(idx.shape[1:]))
+        g = grad_out.reshape(idx.shape[0], idx.shape[1], grad_out.shape[-1])
+        if self.padding_idx is not None:
+            g = g * (idx != self.padding_idx).unsqueeze(-1).to(g.dtype)
+        return idx, g
+
+    def per_example_sq_norms(self, saved, grad_out: torch.Tensor) -> torch.Tensor:
+        (idx,) = saved
+        if not self.weight.requires_grad:
+            return torch.zeros(idx.shape[0], dtype=_acc(grad_out), device=idx.device)
+        idx, g = self._tokens(idx, grad_out)
+        g = g.to(_acc(grad_out))
+        same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype)  # [B, T, T]
+        return (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+    def clipped_grad_sums(self, saved, grad_out: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
+        (idx,) = saved
+        if not self.weight.requires_grad:
+            return []
+        idx, g = self._tokens(idx, grad_out)
+        weighted = (g * factors.to(g.dtype).reshape(-1, 1, 1)).reshape(-1, g.shape[-1])
+        total = torch.zeros(self.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
+        return [total.index_add_(0, idx.reshape(-1), weighted)]
+
+
+class _AffineNorm(DPLayer):
+    """Shared by LayerNorm/GroupNorm: y = x_hat * w + b with x_hat the normalised input (saved)."""
+
+    # Subclasses define _normalise(x), _broadcast(param, x) and _reduce(t).
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = active_context()
+        if ctx is None or not self.dp_parameters():
+            return super().forward(x)
+        x_hat = self._normalise(x)
+        out = x_hat
+        if self.weight is not None:
+            out = out * self._broadcast(self._detached("weight"), x)
+        if self.bias is not None:
+            out = out + self._broadcast(self._detached("bias"), x)
+        return ctx.tap(self, (x_hat.detach(),), out)
+
+    def _per_example(self, saved, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        """Per-example gradients [B, *param.shape] of the trainable affine parameters (they are small)."""
+        (x_hat,) = saved
+        grads = []
+        if self.weight is not None and self.weight.requires_grad:
+            grads.append(self._reduce(grad_out * x_hat))
+        if self.bias is not None and self.bias.requires_grad:
+            grads.append(self._reduce(grad_out))
+        return grads
+
+    def per_example_sq_norms(self, saved, grad_out: torch.Tensor) -> torch.Tensor:
+        grads = self._per_example(saved, grad_out)
+        return sum((_rowsq(g) for g in grads), torch.zeros(grad_out.shape[0], dtype=_acc(grad_out),
+                                                             device=grad_out.device))  # fmt: skip
+
+    def clipped_grad_sums(self, saved, grad_out: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.einsum("b,b...->...", factors.to(g.dtype), g) for g in self._per_example(saved, grad_out)]
+
+
+class LayerNorm(_AffineNorm, nn.LayerNorm):
+    """``torch.nn.LayerNorm`` with per-example norms of its affine parameters."""
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+
+    def _broadcast(self, p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return p
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over every dimension but the batch and the normalised ones."""
+        keep = len(self.normalized_shape)
+        return (
+            t.flatten(0, t.dim() - keep - 1).reshape(t.shape[0], -1, *t.shape[t.dim() - keep :]).sum(1)
+            if t.shape[0]
+            else t.new_zeros(0, *t.shape[t.dim() - keep :])
+        )
+
+
+class GroupNorm(_AffineNorm, nn.GroupNorm):
+    """``torch.nn.GroupNorm`` (the DP-compatible replacement of BatchNorm) with per-example affine norms."""
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, self.num_groups, None, None, self.eps)
+
+    def _broadcast(self, p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return p.reshape(1, -1, *([1] * (x.dim() - 2)))
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t.flatten(2).sum(2)
+
+
+# torch module type -> its DP layer; convert() swaps classes in place (no state is added).
+DP_LAYERS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Linear: Linear,
+    nn.Conv1d: Conv1d,
+    nn.Conv2d: Conv2d,
+    nn.Embedding: Embedding,
+    nn.LayerNorm: LayerNorm,
+    nn.GroupNorm: GroupNorm,
+}

@@ -1,0 +1,159 @@
+"""Per-example gradient norms: ``fastdp::ghost_norm_sq`` and ``fastdp::clip_factors``.
+
+Units (math: ``fastdp.ref.norms``). ``ghost_norm_sq(a, g)[i]`` is the squared L2 norm of
+example i's weight gradient of a Linear layer, ``||a_i^T g_i||_F^2``, where a holds the
+layer's inputs [B, T, d] and g the gradients of the *per-example* losses (summed, not
+averaged, over the batch) with respect to its outputs [B, T, p]; T is the sequence length
+(T = 1 for a plain batch). The bias gradient's squared norm, ``||sum_t g_it||^2``, is
+not included. ``clip_factors(sq_norms, C)`` adds the per-layer squared norms [L, B],
+takes the square root (whole-model per-example norms) and returns the factors
+``min(1, C / (norm + 1e-6))`` that scale each example's gradient to norm <= C.
+
+These ops take data, not graph nodes: they have no autograd formula and the entry points
+below detach their inputs (the results never require grad).
+
+Backends: ``fastdp._backend.select("norms", device)``. float64 inputs always run the
+reference (the kernels compute in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastdp import _backend, _ext
+from fastdp.ref import norms as ref
+
+__all__ = ["clip_factors", "ghost_norm_sq"]
+
+_GHOST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CLIP_DTYPES = (torch.float32, torch.float64)
+
+
+def _check_ghost(a: torch.Tensor, g: torch.Tensor) -> None:
+    """Refuse what the kernels cannot do, saying what to do instead."""
+    for name, x in (("a", a), ("g", g)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"fastdp ghost_norm_sq: {name} is a {type(x).__name__}, expected a torch.Tensor")
+        if x.dim() != 3:
+            raise ValueError(
+                f"fastdp ghost_norm_sq: {name} has shape {tuple(x.shape)}; expected [B, T, features] "
+                "(use x.unsqueeze(1) for inputs without a sequence dimension)"
+            )
+        if x.dtype not in _GHOST_DTYPES:
+            raise TypeError(
+                f"fastdp ghost_norm_sq: {name} has dtype {x.dtype}; expected float32, float16, bfloat16 or float64"
+            )
+    if a.shape[:2] != g.shape[:2]:
+        raise ValueError(
+            f"fastdp ghost_norm_sq: a is {tuple(a.shape)} and g is {tuple(g.shape)}; their batch and sequence "
+            "sizes (dims 0 and 1) must match"
+        )
+    if a.dtype != g.dtype:
+        raise TypeError(f"fastdp ghost_norm_sq: a is {a.dtype} but g is {g.dtype}; cast both to one dtype")
+    if a.device != g.device:
+        raise ValueError(f"fastdp ghost_norm_sq: a is on {a.device} but g is on {g.device}; move both to one device")
+
+
+def _check_clip(sq_norms: torch.Tensor, clip_norm: float) -> None:
+    if not isinstance(sq_norms, torch.Tensor):
+        raise TypeError(f"fastdp clip_factors: sq_norms is a {type(sq_norms).__name__}, expected a torch.Tensor")
+    if sq_norms.dim() != 2:
+        raise ValueError(
+            f"fastdp clip_factors: sq_norms has shape {tuple(sq_norms.shape)}; expected [L, B] (squared norms "
+            "per layer and example; use sq_norms.unsqueeze(0) for a single layer)"
+        )
+    if sq_norms.dtype not in _CLIP_DTYPES:
+        raise TypeError(f"fastdp clip_factors: sq_norms has dtype {sq_norms.dtype}; expected float32 or float64")
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)):
+        raise TypeError(f"fastdp clip_factors: clip_norm must be a float, got {type(clip_norm).__name__}")
+    if not (math.isfinite(clip_norm) and clip_norm > 0):
+        raise ValueError(f"fastdp clip_factors: clip_norm is {clip_norm}; it must be finite and > 0")
+
+
+def _ghost_kernel(backend: str):
+    if backend == "triton":
+        from fastdp.kernels import norms as triton_norms
+
+        return triton_norms.ghost_norm_sq
+    if backend == "cuda":
+        return _ext._C.ghost_norm_sq
+    return ref.ghost_norm_sq
+
+
+def _clip_kernel(backend: str):
+    if backend == "triton":
+        from fastdp.kernels import norms as triton_norms
+
+        return triton_norms.clip_factors
+    if backend == "cuda":
+        return _ext._C.clip_factors
+    return ref.clip_factors
+
+
+@torch.library.custom_op("fastdp::ghost_norm_sq", mutates_args=())
+def _ghost_norm_sq_op(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    _check_ghost(a, g)
+    backend = _backend.select("norms", a.device.type)
+    run = _ghost_kernel(backend if a.dtype in _KERNEL_DTYPES else "torch")  # float64: the reference
+    with torch.no_grad():
+        return run(a.contiguous(), g.contiguous())
+
+
+@_ghost_norm_sq_op.register_fake
+def _(a, g):
+    _check_ghost(a, g)
+    return a.new_empty(a.shape[0], dtype=ref.accumulation_dtype(a.dtype))
+
+
+@torch.library.custom_op("fastdp::clip_factors", mutates_args=())
+def _clip_factors_op(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_clip(sq_norms, clip_norm)
+    backend = _backend.select("norms", sq_norms.device.type)
+    run = _clip_kernel(backend if sq_norms.dtype == torch.float32 else "torch")  # float64: the reference
+    with torch.no_grad():
+        return run(sq_norms.contiguous(), clip_norm)
+
+
+@_clip_factors_op.register_fake
+def _(sq_norms, clip_norm):
+    _check_clip(sq_norms, clip_norm)
+    return sq_norms.new_empty(sq_norms.shape[1]), sq_norms.new_empty(sq_norms.shape[1])
+
+
+def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-example squared weight-gradient norms of a Linear layer: ``out[i] = ||a_i^T g_i||_F^2``.
+
+    Computed as ``sum_{t,s} (a_it . a_is)(g_it . g_is)`` without forming the [d, p]
+    per-example gradients (nor, on the GPU paths, the [T, T] Gram matrices).
+
+    Args:
+        a: layer inputs [B, T, d] (float32, float16, bfloat16 or float64; any layout).
+        g: gradients of the per-example losses w.r.t. the layer outputs [B, T, p], same
+            dtype and device as ``a``.
+
+    Returns:
+        [B] squared norms, float32 (float64 for float64 inputs), with fp32 accumulation.
+        Inputs are detached: the result never requires grad.
+    """
+    _check_ghost(a, g)
+    return torch.ops.fastdp.ghost_norm_sq(a.detach(), g.detach())
+
+
+def clip_factors(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole-model per-example norms and DP-SGD clip factors, in one fused launch.
+
+    Args:
+        sq_norms: [L, B] squared gradient norms of L layers (or parameter groups) for B
+            examples, float32 or float64.
+        clip_norm: the clip bound C, finite and > 0.
+
+    Returns:
+        ``(norms, factors)``, both [B] in the dtype of ``sq_norms``:
+        ``norms[i] = sqrt(sum_l sq_norms[l, i])`` and ``factors[i] = min(1, C / (norms[i] + 1e-6))``.
+        A NaN anywhere in column i makes ``norms[i]`` and ``factors[i]`` NaN (never a silent 1).
+    """
+    _check_clip(sq_norms, clip_norm)
+    return torch.ops.fastdp.clip_factors(sq_norms.detach(), float(clip_norm))

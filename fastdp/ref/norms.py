@@ -1,0 +1,59 @@
+"""Reference of the per-example gradient norms: ghost norms of Linear layers and clip factors.
+
+Ghost norm (Goodfellow 2015; Li et al. 2022 for sequences). A Linear layer's weight
+gradient for example i is ``a_i^T g_i`` (a_i: [T, d] layer inputs, g_i: [T, p] gradients
+of the loss with respect to the layer outputs, summed over the T positions), so
+
+    ||a_i^T g_i||_F^2 = sum_{t,s} (a_it . a_is) (g_it . g_is) = <A_i, G_i>_F
+
+with the Gram matrices ``A_i = a_i a_i^T`` and ``G_i = g_i g_i^T`` ([T, T]): the norm is
+computed without forming the [d, p] per-example gradient. Units: squared L2 norm of
+the gradient of example i's loss (a sum over positions, no mean), one value per example.
+
+Clip factors (DP-SGD, Abadi et al. 2016). With ``sq_norms[l, i]`` the squared norm of
+example i's gradient in layer l, the whole-model norm is ``n_i = sqrt(sum_l sq_norms[l, i])``
+and the factor that clips example i's gradient to L2 norm <= C is
+``min(1, C / (n_i + 1e-6))`` (the 1e-6 keeps C / n finite; Opacus uses the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CLIP_EPS = 1e-6
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, else float32 (the kernels' fp32 math and output dtype)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``out[i] = ||a_i^T g_i||_F^2`` via the [B, T, T] Gram matrices (materialised: reference only).
+
+    a: [B, T, d], g: [B, T, p]; returns float32 [B] (float64 for float64 inputs), computed
+    in that dtype after one exact upcast of the inputs.
+    """
+    acc = accumulation_dtype(a.dtype)
+    a, g = a.to(acc), g.to(acc)
+    gram_a = torch.bmm(a, a.transpose(1, 2))
+    gram_g = torch.bmm(g, g.transpose(1, 2))
+    return gram_a.mul_(gram_g).sum(dim=(1, 2))
+
+
+def per_example_grad_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``||a_i^T g_i||_F^2`` from the explicitly formed per-example gradients [B, d, p] (the definition)."""
+    acc = accumulation_dtype(a.dtype)
+    grads = torch.einsum("btd,btp->bdp", a.to(acc), g.to(acc))
+    return grads.pow(2).sum(dim=(1, 2))
+
+
+def clip_factors(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norms, factors)`` for ``sq_norms`` [L, B]: ``norms = sqrt(sum_l sq_norms[l])``,
+    ``factors = min(1, clip_norm / (norms + 1e-6))``; NaN propagates to both.
+
+    Computed in the dtype of ``sq_norms`` (float32 or float64).
+    """
+    norms = sq_norms.sum(dim=0).sqrt()
+    factors = (clip_norm / (norms + CLIP_EPS)).clamp(max=1.0)  # clamp keeps NaN (torch.minimum would too)
+    return norms, factors

@@ -1,0 +1,195 @@
+"""Triton kernels of the per-example gradient norms (math: ``fastdp/ref/norms.py``).
+
+Ghost norm of example b (a: [B, T, D], g: [B, T, P], contiguous):
+    out[b] = sum_{t,s} (a_bt . a_bs) (g_bt . g_bs)
+The [T, T] Gram matrices are never stored: they are made tile by tile with ``tl.dot``
+(fp32 accumulation over D and P in chunks), multiplied elementwise and summed.
+Symmetry: t-block i meets only s-blocks j >= i, off-diagonal tiles counted twice.
+Load balance: program k of example b takes t-blocks k and n-1-k (n t-blocks), so every
+program computes n + 1 tiles (n odd: the middle program computes its block once).
+Each program writes one fp32 partial sum; the host adds the partials of an example
+(a fixed order: deterministic, no atomics).
+
+Clip factors: norms[i] = sqrt(sum_l sq[l, i]), factors[i] = min(1, C / (norms[i] + 1e-6)),
+one launch, fp32, IEEE sqrt and division; NaN propagates.
+
+Under ``TRITON_INTERPRET=1`` (no bf16 ``tl.dot`` in the interpreter) tiles are upcast to
+fp32 before ``tl.dot``; on the GPU fp16/bf16 tiles go to the tensor cores as they are and
+fp32 tiles use IEEE fp32 products (``input_precision="ieee"``: no TF32 rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from fastdp.kernels import INTERPRET
+
+BLOCK_T = 64  # rows of a Gram tile (t and s): tl.dot needs >= 16
+BLOCK_K = 64  # chunk of D (and P) per tl.dot
+NUM_WARPS = 4
+CLIP_BLOCK = 1024  # examples per program of the clip-factor kernel
+CLIP_EPS = 1e-6
+
+
+@triton.jit
+def _gram_tile(
+    x_ptr,  # this example's [T, K] rows (contiguous)
+    rows_t,  # int64[BLOCK_T]: t indices of the tile
+    rows_s,  # int64[BLOCK_T]: s indices of the tile
+    T,  # rows of the example
+    K,  # columns of x (D or P)
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # cast tiles to fp32 before tl.dot (interpreter; fp32 inputs)
+):
+    """fp32 tile ``x[rows_t] @ x[rows_s]^T`` ([BLOCK_T, BLOCK_T]); rows >= T and columns >= K read as 0."""
+    gram = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    mask_t = rows_t < T
+    mask_s = rows_s < T
+    for k in range(0, K, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        mask_k = cols < K
+        xt = tl.load(x_ptr + rows_t[:, None] * K + cols[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        xs = tl.load(x_ptr + rows_s[:, None] * K + cols[None, :], mask=mask_s[:, None] & mask_k[None, :], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            xs = xs.to(tl.float32)
+        gram = tl.dot(xt, tl.trans(xs), gram, input_precision="ieee")
+    return gram
+
+
+@triton.jit
+def _ghost_norm_sq_kernel(
+    a_ptr,  # [B, T, D] layer inputs (fp32, fp16 or bf16), contiguous
+    g_ptr,  # [B, T, P] output gradients (same dtype as a), contiguous
+    partial_ptr,  # fp32 [B, NUM_PROGRAMS]: one partial sum per program
+    T,  # sequence length
+    D,  # input features
+    P,  # output features
+    NUM_T_BLOCKS,  # cdiv(T, BLOCK_T)
+    NUM_PROGRAMS,  # programs per example: cdiv(NUM_T_BLOCKS, 2)
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Partial ghost norm of one example over t-blocks k and NUM_T_BLOCKS-1-k (program k)."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // NUM_PROGRAMS
+    k = pid % NUM_PROGRAMS
+    T = tl.cast(T, tl.int64)
+    a_base = a_ptr + b * T * D
+    g_base = g_ptr + b * T * P
+    last = NUM_T_BLOCKS - 1 - k
+    count = 2 - (last == k).to(tl.int64)  # the middle block of an odd count: once
+    acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    for i in range(0, count):
+        tb = k + i * (last - k)
+        t0 = tb * BLOCK_T
+        rows_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        for s0 in range(t0, T, BLOCK_T):
+            rows_s = s0 + tl.arange(0, BLOCK_T).to(tl.int64)
+            gram_a = _gram_tile(a_base, rows_t, rows_s, T, D, BLOCK_T, BLOCK_K, UPCAST)
+            gram_g = _gram_tile(g_base, rows_t, rows_s, T, P, BLOCK_T, BLOCK_K, UPCAST)
+            weight = tl.where(s0 == t0, 1.0, 2.0)  # (t, s) and (s, t) off the diagonal
+            acc += weight * (gram_a * gram_g)
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _clip_factors_kernel(
+    sq_ptr,  # fp32 [L, B]: per-layer squared norms, contiguous
+    norms_ptr,  # fp32 [B]: out, sqrt(sum_l sq[l, i])
+    factors_ptr,  # fp32 [B]: out, min(1, clip_norm / (norms + EPS))
+    L,  # layers
+    B,  # examples
+    clip_norm,  # fp32: C > 0
+    EPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program i handles examples [i * BLOCK, (i + 1) * BLOCK), summing the L rows in order."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < B
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for layer in range(0, L):
+        total += tl.load(sq_ptr + layer * tl.cast(B, tl.int64) + cols, mask=mask, other=0.0)
+    norms = tl.sqrt_rn(total)
+    factors = tl.div_rn(tl.zeros_like(norms) + clip_norm, norms + EPS)
+    factors = tl.where(factors > 1.0, 1.0, factors)  # NaN > 1 is false: NaN stays NaN
+    tl.store(norms_ptr + cols, norms, mask=mask)
+    tl.store(factors_ptr + cols, factors, mask=mask)
+
+
+def _device_guard(x: torch.Tensor):
+    """Triton launches on the current device's stream: make x's device current."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _block_t(seq: int) -> int:
+    """Tile rows: 64, or less for short sequences (>= 16 for tl.dot)."""
+    return max(16, min(BLOCK_T, triton.next_power_of_2(seq)))
+
+
+def _block_k(width: int) -> int:
+    """Columns per tl.dot chunk: 64, or less for narrow layers (>= 16 for tl.dot)."""
+    return max(16, min(BLOCK_K, triton.next_power_of_2(width)))
+
+
+def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """fp32 [B] ghost norms of contiguous a [B, T, D], g [B, T, P] (checked by ``fastdp.ops.norms``)."""
+    batch, seq, dim_a = a.shape
+    dim_g = g.shape[2]
+    if batch == 0 or seq == 0 or dim_a == 0 or dim_g == 0:
+        return torch.zeros(batch, device=a.device, dtype=torch.float32)
+    block_t = _block_t(seq)
+    num_t_blocks = triton.cdiv(seq, block_t)
+    num_programs = triton.cdiv(num_t_blocks, 2)
+    partial = torch.empty(batch, num_programs, device=a.device, dtype=torch.float32)
+    upcast = INTERPRET or a.dtype == torch.float32
+    with _device_guard(a):
+        _ghost_norm_sq_kernel[(batch * num_programs,)](
+            a, g, partial, seq, dim_a, dim_g, num_t_blocks, num_programs,
+            BLOCK_T=block_t, BLOCK_K=_block_k(max(dim_a, dim_g)), UPCAST=upcast, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return partial.sum(dim=1)
+
+
+def clip_factors(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norms, factors), fp32 [B], of a contiguous fp32 [L, B] (checked by ``fastdp.ops.norms``)."""
+    layers, batch = sq_norms.shape
+    norms = torch.empty(batch, device=sq_norms.device, dtype=torch.float32)
+    factors = torch.empty_like(norms)
+    if batch == 0:
+        return norms, factors
+    with _device_guard(sq_norms):
+        _clip_factors_kernel[(triton.cdiv(batch, CLIP_BLOCK),)](
+            sq_norms, norms, factors, layers, batch, float(clip_norm), EPS=CLIP_EPS, BLOCK=CLIP_BLOCK,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return norms, factors
+
+
+def hopper_compile_specs():
+    """(kernel, signature, constexprs) of every kernel here, for the sm_90 compile check."""
+    specs = []
+    for ptr in ("*fp32", "*fp16", "*bf16"):
+        for block_t, block_k in ((BLOCK_T, BLOCK_K), (16, 16)):
+            specs.append(
+                (
+                    _ghost_norm_sq_kernel,
+                    {"a_ptr": ptr, "g_ptr": ptr, "partial_ptr": "*fp32", "T": "i32", "D": "i32", "P": "i32",
+                     "NUM_T_BLOCKS": "i32", "NUM_PROGRAMS": "i32"},
+                    {"BLOCK_T": block_t, "BLOCK_K": block_k, "UPCAST": ptr == "*fp32"},
+                )
+            )  # fmt: skip
+    specs.append(
+        (
+            _clip_factors_kernel,
+            {"sq_ptr": "*fp32", "norms_ptr": "*fp32", "factors_ptr": "*fp32", "L": "i32", "B": "i32",
+             "clip_norm": "fp32"},
+            {"EPS": CLIP_EPS, "BLOCK": CLIP_BLOCK},
+        )
+    )  # fmt: skip
+    return specs

@@ -1,0 +1,283 @@
+"""fastdp norms ops: ghost norms and clip factors against the float64 reference, on every backend."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastdp
+from fastdp.ops import clip_factors, ghost_norm_sq
+from fastdp.ref import norms as ref
+from tests.conftest import TOL
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# The device_backend fixture only selects a backend: safe to share across hypothesis examples.
+HYPOTHESIS = settings(
+    max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def _inputs(batch, seq, dim_a, dim_g, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, seq, dim_a, generator=gen).to(device=device, dtype=dtype)
+    g = torch.randn(batch, seq, dim_g, generator=gen).to(device=device, dtype=dtype)
+    return a, g
+
+
+def _reference(a, g):
+    """float64 ghost norms of the inputs as given (low-precision values upcast exactly)."""
+    return ref.ghost_norm_sq(a.double().cpu(), g.double().cpu())
+
+
+def _assert_ghost_close(out, a, g, msg):
+    expected = _reference(a, g)
+    assert out.dtype == (torch.float64 if a.dtype == torch.float64 else torch.float32), msg
+    assert out.shape == (a.shape[0],), msg
+    if a.dtype in LOW_PRECISION:
+        # STYLE rule: at most twice torch's own error in that dtype (bmm Gram matrices in
+        # the dtype, as eager ghost clipping computes them), plus a small atol.
+        gram_a = torch.bmm(a, a.transpose(1, 2)).double()
+        gram_g = torch.bmm(g, g.transpose(1, 2)).double()
+        torch_err = ((gram_a * gram_g).sum(dim=(1, 2)).cpu() - expected).abs()
+        err = (out.double().cpu() - expected).abs()
+        atol = 1e-5 * float(expected.abs().max()) if expected.numel() else 0.0
+        bad = err > 2 * torch_err + atol
+        assert not bad.any(), f"{msg}: errors {err[bad].tolist()} vs torch's {torch_err[bad].tolist()}"
+    else:
+        torch.testing.assert_close(out.cpu().double(), expected, **TOL[a.dtype], msg=lambda m: f"{msg}: {m}")
+
+
+# ----------------------------------------------------------------------------------- ghost norms
+
+
+@HYPOTHESIS
+@given(
+    batch=st.integers(0, 3),
+    seq=st.integers(0, 100),
+    dim_a=st.integers(1, 40),
+    dim_g=st.integers(1, 40),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+)
+def test_ghost_norm_sq_matches_reference(device_backend, batch, seq, dim_a, dim_g, dtype):
+    device, backend = device_backend
+    a, g = _inputs(batch, seq, dim_a, dim_g, dtype, device, seed=batch * 1000 + seq)
+    out = ghost_norm_sq(a, g)
+    _assert_ghost_close(out, a, g, f"{backend} ghost_norm_sq B={batch} T={seq} d={dim_a} p={dim_g} {dtype}")
+
+
+@pytest.mark.parametrize(
+    "batch, seq, dim_a, dim_g",
+    [(2, 65, 3, 17), (1, 129, 33, 1), (2, 200, 16, 20), (1, 1, 129, 123), (3, 64, 1, 1), (1, 130, 70, 66)],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ghost_norm_sq_several_tiles(device_backend, batch, seq, dim_a, dim_g, dtype):
+    """Several t-blocks (odd and even counts: the paired work items), odd widths, d or p = 1."""
+    device, backend = device_backend
+    a, g = _inputs(batch, seq, dim_a, dim_g, dtype, device, seed=seq)
+    _assert_ghost_close(ghost_norm_sq(a, g), a, g, f"{backend} B={batch} T={seq} d={dim_a} p={dim_g} {dtype}")
+
+
+def test_ghost_norm_sq_equals_explicit_per_example_gradient_norms(device_backend):
+    """||a_i^T g_i||_F^2 with the per-example gradients formed by einsum('btd,btp->bdp')."""
+    device, backend = device_backend
+    a, g = _inputs(4, 37, 19, 11, torch.float64, seed=3)
+    grads = torch.einsum("btd,btp->bdp", a, g)
+    expected = grads.pow(2).sum(dim=(1, 2))
+    out = ghost_norm_sq(a.float().to(device), g.float().to(device))
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[torch.float32], msg=f"{backend} vs einsum")
+    torch.testing.assert_close(ref.per_example_grad_norm_sq(a, g), expected, **TOL[torch.float64])
+
+
+def test_ghost_norm_sq_equals_vmap_grad_norms_of_a_linear_layer(device_backend):
+    """A Linear layer on sequences: the weight's per-example gradient norms from torch.func.vmap(grad)."""
+    device, backend = device_backend
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(9, 5, bias=False).double()
+    x = torch.randn(6, 13, 9, dtype=torch.float64)
+    target = torch.randn(6, 13, 5, dtype=torch.float64)
+
+    def loss_one(weight, xi, ti):
+        return ((torch.func.functional_call(layer, {"weight": weight}, (xi,)) - ti) ** 2).sum() / 3
+
+    per_example = torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(layer.weight, x, target)
+    expected = per_example.pow(2).sum(dim=(1, 2))
+    out_act = layer(x)
+    (g,) = torch.autograd.grad(((out_act - target) ** 2).sum() / 3, out_act)  # sum of per-example losses
+    out = ghost_norm_sq(x.float().to(device), g.float().to(device))
+    torch.testing.assert_close(out.cpu().double(), expected, **TOL[torch.float32], msg=f"{backend} vs vmap(grad)")
+
+
+def test_ghost_norm_sq_non_contiguous_inputs(device_backend):
+    device, backend = device_backend
+    wide_a, wide_g = _inputs(3, 70, 40, 30, torch.float32, device, seed=5)
+    a = wide_a[:, 1:69, ::2]  # strided last dim
+    g = wide_g.transpose(0, 1).contiguous().transpose(0, 1)[:, 1:69, 3:20]  # permuted storage
+    assert not a.is_contiguous() and not g.is_contiguous()
+    _assert_ghost_close(ghost_norm_sq(a, g), a, g, f"{backend} non-contiguous")
+    expected = ghost_norm_sq(a.contiguous(), g.contiguous())
+    torch.testing.assert_close(ghost_norm_sq(a, g), expected, rtol=0, atol=0)
+
+
+def test_ghost_norm_sq_empty_shapes(device_backend):
+    device, _ = device_backend
+    for batch, seq in ((0, 5), (3, 0), (0, 0)):
+        a, g = _inputs(batch, seq, 4, 6, torch.float32, device)
+        out = ghost_norm_sq(a, g)
+        assert out.shape == (batch,) and out.dtype == torch.float32 and out.device.type == device
+        assert torch.count_nonzero(out) == 0
+
+
+def test_ghost_norm_sq_is_deterministic(device_backend):
+    device, _ = device_backend
+    a, g = _inputs(3, 150, 24, 40, torch.float32, device, seed=9)
+    assert torch.equal(ghost_norm_sq(a, g), ghost_norm_sq(a, g))
+
+
+def test_ghost_norm_sq_on_tensors_requiring_grad(device_backend):
+    device, _ = device_backend
+    a, g = _inputs(2, 5, 3, 4, torch.float32, device)
+    a.requires_grad_(True)
+    out = ghost_norm_sq(a * 1.0, g)  # a graph node, not only a leaf
+    assert not out.requires_grad
+    _assert_ghost_close(out, a.detach(), g, "requires_grad input")
+
+
+# ---------------------------------------------------------------------------------- clip factors
+
+
+def _assert_clip_close(got, sq, clip_norm, msg):
+    norms, factors = got
+    exp_norms, exp_factors = ref.clip_factors(sq.double().cpu(), clip_norm)
+    assert norms.dtype == sq.dtype and factors.dtype == sq.dtype, msg
+    for name, actual, expected in (("norms", norms, exp_norms), ("factors", factors, exp_factors)):
+        torch.testing.assert_close(actual.cpu().double(), expected, **TOL[sq.dtype], equal_nan=True,
+                                   msg=lambda m, name=name: f"{msg} {name}: {m}")  # fmt: skip
+
+
+@HYPOTHESIS
+@given(
+    layers=st.integers(0, 5),
+    batch=st.integers(0, 2100),
+    clip_norm=st.floats(1e-3, 1e3),
+    scale=st.sampled_from([1e-6, 1.0, 1e4]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_clip_factors_match_reference(device_backend, layers, batch, clip_norm, scale, dtype):
+    device, backend = device_backend
+    gen = torch.Generator().manual_seed(layers * 10_000 + batch)
+    sq = (torch.rand(layers, batch, generator=gen, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
+    _assert_clip_close(clip_factors(sq, clip_norm), sq, clip_norm, f"{backend} L={layers} B={batch} {dtype}")
+
+
+def test_clip_factors_values(device_backend):
+    """Norms add over layers; small norms are not scaled up; large ones scale to the bound."""
+    device, _ = device_backend
+    sq = torch.tensor([[9.0, 0.0, 1e-4, 100.0], [16.0, 0.0, 0.0, 300.0]], device=device)
+    norms, factors = clip_factors(sq, 2.0)
+    torch.testing.assert_close(norms.cpu(), torch.tensor([5.0, 0.0, 1e-2, 20.0]))
+    torch.testing.assert_close(factors.cpu(), torch.tensor([2.0 / (5.0 + 1e-6), 1.0, 1.0, 2.0 / (20.0 + 1e-6)]))
+    assert float((norms * factors).max()) <= 2.0
+
+
+def test_clip_factors_propagate_nan(device_backend):
+    """A NaN squared norm must never become factor 1 (that would pass the gradient unclipped)."""
+    device, backend = device_backend
+    sq = torch.rand(3, 2049, device=device)
+    sq[1, 7] = float("nan")
+    sq[2, 2048] = float("nan")
+    sq[0, 100] = float("inf")
+    norms, factors = clip_factors(sq, 1.0)
+    for i in (7, 2048):
+        assert math.isnan(norms[i]) and math.isnan(factors[i]), f"{backend}: column {i} lost its NaN"
+    assert math.isinf(norms[100]) and factors[100] == 0.0
+    finite = torch.ones(2049, dtype=torch.bool)
+    finite[[7, 100, 2048]] = False
+    assert torch.isfinite(factors.cpu()[finite]).all()
+
+
+def test_clip_factors_empty(device_backend):
+    device, _ = device_backend
+    norms, factors = clip_factors(torch.zeros(3, 0, device=device), 1.0)
+    assert norms.shape == factors.shape == (0,)
+    norms, factors = clip_factors(torch.zeros(0, 4, device=device), 1.0)  # no layers: norm 0, factor 1
+    assert torch.equal(norms.cpu(), torch.zeros(4)) and torch.equal(factors.cpu(), torch.ones(4))
+
+
+def test_clip_factors_non_contiguous_and_requires_grad(device_backend):
+    device, backend = device_backend
+    wide = torch.rand(6, 300, device=device)
+    sq = wide[::2, 1::3].t().contiguous().t()  # [3, 100] column-major view
+    sq.requires_grad_(True)
+    norms, factors = clip_factors(sq, 0.7)
+    assert not norms.requires_grad and not factors.requires_grad
+    _assert_clip_close((norms, factors), sq.detach(), 0.7, f"{backend} non-contiguous")
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: ghost_norm_sq(torch.zeros(2, 3), torch.zeros(2, 3, 4)), ValueError, r"expected \[B, T, features\]"),
+        (lambda: ghost_norm_sq(torch.zeros(2, 3, 4), torch.zeros(2, 4, 4)), ValueError, "must match"),
+        (lambda: ghost_norm_sq(torch.zeros(2, 3, 4), torch.zeros(3, 3, 4)), ValueError, "must match"),
+        (lambda: ghost_norm_sq(torch.zeros(2, 3, 4, dtype=torch.int32), torch.zeros(2, 3, 4)), TypeError, "dtype"),
+        (lambda: ghost_norm_sq(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4).half()), TypeError, "one dtype"),
+        (lambda: ghost_norm_sq(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, device="meta")), ValueError, "one device"),
+        (lambda: ghost_norm_sq([[[1.0]]], torch.zeros(1, 1, 1)), TypeError, "expected a torch.Tensor"),
+        (lambda: clip_factors(torch.zeros(4), 1.0), ValueError, r"expected \[L, B\]"),
+        (lambda: clip_factors(torch.zeros(2, 4, dtype=torch.float16), 1.0), TypeError, "float32 or float64"),
+        (lambda: clip_factors(torch.zeros(2, 4), 0.0), ValueError, "finite and > 0"),
+        (lambda: clip_factors(torch.zeros(2, 4), -1.0), ValueError, "finite and > 0"),
+        (lambda: clip_factors(torch.zeros(2, 4), float("nan")), ValueError, "finite and > 0"),
+        (lambda: clip_factors(torch.zeros(2, 4), float("inf")), ValueError, "finite and > 0"),
+        (lambda: clip_factors(torch.zeros(2, 4), True), TypeError, "must be a float"),
+        (lambda: clip_factors(torch.zeros(2, 4), "1.0"), TypeError, "must be a float"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_refused(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_raw_ops_validate_too():
+    """The torch.ops entry points (and their fake kernels) check like the Python wrappers."""
+    with pytest.raises(ValueError, match="must match"):
+        torch.ops.fastdp.ghost_norm_sq(torch.zeros(2, 3, 4), torch.zeros(2, 4, 4))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        torch.ops.fastdp.clip_factors(torch.zeros(2, 4), -2.0)
+    with pytest.raises(ValueError, match="must match"):
+        torch.ops.fastdp.ghost_norm_sq(torch.zeros(2, 3, 4, device="meta"), torch.zeros(2, 4, 4, device="meta"))
+    out = torch.ops.fastdp.ghost_norm_sq(torch.zeros(5, 3, 4, device="meta"), torch.zeros(5, 3, 2, device="meta"))
+    assert out.shape == (5,) and out.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- opcheck, compile
+
+
+def test_opcheck(device_backend):
+    device, _ = device_backend
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        a, g = _inputs(3, 7, 5, 4, dtype, device)
+        torch.library.opcheck(torch.ops.fastdp.ghost_norm_sq.default, (a, g))
+    for dtype in (torch.float32, torch.float64):
+        sq = torch.rand(4, 9, device=device, dtype=dtype)
+        torch.library.opcheck(torch.ops.fastdp.clip_factors.default, (sq, 1.5))
+
+
+def test_compiles_fullgraph(restore_backend):
+    """Both ops trace into one torch.compile graph (no graph break) and give the eager result."""
+    fastdp.set_backend("cuda")
+
+    def clip(a1, g1, a2, g2):
+        sq = torch.stack([ghost_norm_sq(a1, g1), ghost_norm_sq(a2, g2)])
+        return clip_factors(sq, 1.0)
+
+    args = (*_inputs(4, 6, 3, 5, torch.float32, seed=1), *_inputs(4, 6, 7, 2, torch.float32, seed=2))
+    eager = clip(*args)
+    compiled = torch.compile(clip, fullgraph=True, backend="aot_eager")(*args)
+    for c, e in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
