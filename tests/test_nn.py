@@ -37,11 +37,16 @@ def check_layer(layer: nn.Module, x: torch.Tensor) -> None:
         out = layer(x)
     assert len(ctx.records) == 1
     record = ctx.records[0]
-    (g,) = torch.autograd.grad((out * r).sum(), [record.tap])
-    torch.testing.assert_close(g, r)  # the tap's gradient is the output gradient G
-    sq = layer.per_example_sq_norms(record.saved, g)
+    (out * r).sum().backward()
+    g = record.grad
+    torch.testing.assert_close(g, r)  # the hook received the output gradient G
     factors = torch.rand(x.shape[0], dtype=torch.float64)
-    sums = layer.clipped_grad_sums(record.saved, g, factors)
+    cache = {}
+    sq = layer.per_example_sq_norms(record.saved, g, cache)
+    sums = layer.clipped_grad_sums(record.saved, g, factors, cache)
+    torch.testing.assert_close(layer.per_example_sq_norms(record.saved, g), sq)  # without a cache: same result
+    for with_cache, without in zip(sums, layer.clipped_grad_sums(record.saved, g, factors), strict=True):
+        torch.testing.assert_close(with_cache, without, rtol=1e-12, atol=1e-12)
     params = [p for p in layer.parameters() if p.requires_grad]
     assert len(sums) == len(params)
     if x.shape[0] == 0:
@@ -247,6 +252,17 @@ def test_non_batch_first_input_is_refused():
         ghost_clipped_gradient_sum(model, per_example_cross_entropy, batch, 1.0)
 
 
+def test_inplace_activation_after_a_layer():
+    """ReLU(inplace=True) on a DP layer's output: G is still the gradient of the layer's output."""
+    torch.manual_seed(0)
+    model = dpnn.convert(nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 3))).double()
+    batch = Batch(torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,)), torch.ones(6, dtype=torch.bool))
+    ghost, _ = ghost_clipped_gradient_sum(model, per_example_cross_entropy, batch, 0.3)
+    reference, _ = clipped_gradient_sum(model, per_example_cross_entropy, batch, 0.3)
+    for a, b in zip(ghost, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_shared_layer_is_refused():
     layer = nn.Linear(3, 3)
     model = nn.Sequential(layer, nn.ReLU(), layer)
@@ -269,8 +285,8 @@ def test_dp_layers_behave_like_torch_outside_a_step():
 
 
 def test_compiled_dp_model_matches_eager():
-    """fullgraph compile of the model's forward; the DP step through a compiled model (the taps, tensors that
-    require grad, are created eagerly at a graph break) gives the same clipped sums as eager."""
+    """fullgraph compile of the model's forward; the DP step through a compiled model (the gradient hooks are
+    registered eagerly at graph breaks) gives the same clipped sums as eager."""
     torch.manual_seed(0)
     model = dpnn.convert(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
                                        nn.Linear(4 * 6 * 6, 3)))  # fmt: skip

@@ -83,9 +83,9 @@ def ghost_clipped_gradient_sum(
     records = ctx.records
     size = batch.x.shape[0]
     for r in records:
-        if r.tap.dim() == 0 or r.tap.shape[0] != size:
+        if len(r.shape) == 0 or r.shape[0] != size:
             raise ValueError(
-                f"{type(r.layer).__name__} was called on a tensor whose first dimension ({tuple(r.tap.shape)}) is not "
+                f"{type(r.layer).__name__} was called on a tensor whose first dimension ({tuple(r.shape)}) is not "
                 f"the batch ({size} examples): DP layers need batch-first inputs so each row belongs to one example "
                 "(e.g. expand position indices to [B, T] before a positional Embedding)"
             )
@@ -97,16 +97,18 @@ def ghost_clipped_gradient_sum(
             f"{len(missing)} trainable parameters were not used through a fastdp DP layer in the forward; "
             "freeze them or use DPSGD(mode='reference')"
         )
-    grads_out = torch.autograd.grad(losses.sum(), [r.tap for r in records], allow_unused=True)
-    grads_out = [torch.zeros_like(r.tap) if g is None else g for r, g in zip(records, grads_out, strict=True)]
-    sq_norms = torch.stack([r.layer.per_example_sq_norms(r.saved, g) for r, g in zip(records, grads_out, strict=True)])
+    losses.sum().backward()  # the layers' hooks collect G; parameters were detached, so no .grad is touched
+    grads_out = [r.grad if r.grad is not None else batch.x.new_zeros(r.shape, dtype=losses.dtype) for r in records]
+    caches = [{} for _ in records]  # per-example gradients a layer formed for its norm, reused for its sum
+    sq_norms = torch.stack([r.layer.per_example_sq_norms(r.saved, g, cache)
+                            for r, g, cache in zip(records, grads_out, caches, strict=True)])  # fmt: skip
     if not isinstance(clip_norm, (int, float)):
         order = {id(m): i for i, m in enumerate(dp_layers(model))}
         clip_norm = [clip_norm[order[id(r.layer)]] for r in records]
     factors = _factors(sq_norms, clip_norm) * batch.mask.to(sq_norms.dtype)
     sums: dict[int, torch.Tensor] = {}
-    for r, g, c in zip(records, grads_out, factors, strict=True):
-        for p, total in zip(r.layer.dp_parameters(), r.layer.clipped_grad_sums(r.saved, g, c), strict=True):
+    for r, g, c, cache in zip(records, grads_out, factors, caches, strict=True):
+        for p, total in zip(r.layer.dp_parameters(), r.layer.clipped_grad_sums(r.saved, g, c, cache), strict=True):
             sums[id(p)] = total.to(p.dtype)
     return [sums[id(p)] for p in params], losses.detach().sum()
 

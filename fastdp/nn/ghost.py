@@ -1,10 +1,11 @@
 """Book-keeping for DP-SGD in one forward and one backward (Bu et al. 2023, "book-keeping" BK).
 
 Inside a :class:`GhostClipping` context, every fastdp DP layer computes its output with
-*detached* parameters and adds a zero "tap" tensor to it. One backward of the summed
-per-example losses then yields, as the gradient of each tap, the layer's output
-gradient G (its rows are per-example, because the loss is a sum over examples and no
-layer mixes examples); no weight gradient is formed. From each layer's saved input A
+*detached* parameters and registers a gradient hook on it. One backward of the summed
+per-example losses then hands each layer its output gradient G (rows are per-example,
+because the loss is a sum over examples and no layer mixes examples); no weight
+gradient is formed. A hook registered before an in-place op on the output (ReLU(inplace=True))
+receives the gradient of the value before that op, which is the G wanted. From each layer's saved input A
 and G the layer gives its per-example squared gradient norm without materialising
 per-example gradients (||a_i||^2 ||g_i||^2, or the ghost norm <A_i A_i^T, G_i G_i^T>),
 the clip factors follow, and each layer's clipped sum is one GEMM A^T (c * G).
@@ -24,11 +25,15 @@ _state = threading.local()
 
 @dataclass
 class Record:
-    """One DP layer call: the layer, what it saved for the backward (detached), and its tap."""
+    """One DP layer call: the layer, what it saved (detached), its output's shape, and G once the backward ran."""
 
     layer: torch.nn.Module
     saved: tuple
-    tap: torch.Tensor
+    shape: torch.Size
+    grad: torch.Tensor | None = None
+
+    def _capture(self, grad: torch.Tensor) -> None:
+        self.grad = grad if self.grad is None else self.grad + grad
 
 
 class GhostClipping:
@@ -39,16 +44,21 @@ class GhostClipping:
         self._seen: set[int] = set()
 
     def tap(self, layer: torch.nn.Module, saved: tuple, output: torch.Tensor) -> torch.Tensor:
-        """Register a layer call; returns ``output + tap`` (a zero tensor whose gradient will be G)."""
+        """Register a layer call; returns ``output`` with a hook that stores its gradient G in the record."""
         if id(layer) in self._seen:
             raise ValueError(
                 f"{type(layer).__name__} is called twice in one forward (shared weights): its per-example gradient "
                 "is the sum of both calls, which one-backward clipping cannot split; use DPSGD(mode='reference')"
             )
         self._seen.add(id(layer))
-        tap = torch.zeros_like(output, requires_grad=True)
-        self.records.append(Record(layer, saved, tap))
-        return output + tap
+        record = Record(layer, saved, output.shape)
+        if not output.requires_grad:
+            # First layer: neither input nor (detached) parameters need grad. A non-leaf copy keeps in-place
+            # ops on the output (ReLU(inplace=True)) legal.
+            output = output.requires_grad_().clone()
+        output.register_hook(record._capture)
+        self.records.append(record)
+        return output
 
     def __enter__(self) -> GhostClipping:
         if getattr(_state, "context", None) is not None:

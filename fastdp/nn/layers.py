@@ -5,8 +5,11 @@ ghost norm is cheaper).
 Each class subclasses its torch counterpart with no extra state, so outside a DP step it is that module, its
 ``state_dict`` is unchanged, and :func:`fastdp.nn.convert` turns a torch module into one in place. Per layer:
 
-* ``per_example_sq_norms(saved, G)`` -> [B]: sum over the layer's trainable parameters of ||grad_i||^2;
-* ``clipped_grad_sums(saved, G, c)`` -> one tensor per trainable parameter: sum_i c_i grad_i.
+* ``per_example_sq_norms(saved, G, cache)`` -> [B]: sum over the layer's trainable parameters of ||grad_i||^2;
+* ``clipped_grad_sums(saved, G, c, cache)`` -> one tensor per trainable parameter: sum_i c_i grad_i.
+
+Where a per-example weight gradient is cheaper than the ghost norm it is formed once, kept in ``cache``
+(a dict per layer call, or None), and its clipped sum is then a weighted sum instead of a second GEMM.
 
 G is the gradient of the summed per-example losses w.r.t. the layer output (rows are per-example).
 Norms accumulate in float32 (float64 for float64 inputs).
@@ -38,14 +41,22 @@ def _use_ghost(positions: int, out_features: int, in_features: int) -> bool:
     return 2 * positions * positions < out_features * in_features
 
 
-def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """||a_i^T g_i||_F^2 for a [B, T, d], g [B, T, p]: ghost norm or direct, whichever is cheaper."""
+def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) -> torch.Tensor:
+    """||a_i^T g_i||_F^2 for a [B, T, d], g [B, T, p]: ghost norm, or the per-example gradient [B, p, d]
+    (kept in ``cache["weight"]``) when that is smaller."""
     _, t, d = a.shape
     p = g.shape[2]
     if _use_ghost(t, p, d):
         return ghost_norm_sq(a, g).to(_acc(a))
-    acc = _acc(a)
-    return _rowsq(torch.einsum("btp,btd->bpd", g.to(acc), a.to(acc)))
+    per_example = torch.einsum("btp,btd->bpd", g, a)
+    if cache is not None:
+        cache["weight"] = per_example
+    return _rowsq(per_example)
+
+
+def _weighted(factors: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
+    """sum_i c_i x_i for x [B, ...]."""
+    return torch.einsum("b,b...->...", factors.to(per_example.dtype), per_example)
 
 
 class DPLayer:
@@ -74,7 +85,7 @@ class Linear(nn.Linear, DPLayer):
         positions = math.prod(a.shape[1:-1])
         return a.reshape(a.shape[0], positions, a.shape[-1]), g.reshape(g.shape[0], positions, g.shape[-1])
 
-    def per_example_sq_norms(self, saved, grad_out: torch.Tensor) -> torch.Tensor:
+    def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (a,) = saved
         total = torch.zeros(a.shape[0], dtype=_acc(a), device=a.device)
         if a.dim() == 2:
@@ -85,17 +96,21 @@ class Linear(nn.Linear, DPLayer):
             return total
         a3, g3 = self._flat(a, grad_out)
         if self.weight.requires_grad:
-            total += _sequence_weight_sq(a3, g3)
+            total += _sequence_weight_sq(a3, g3, cache)
         if self.bias is not None and self.bias.requires_grad:
             total += _rowsq(g3.sum(1))
         return total
 
-    def clipped_grad_sums(self, saved, grad_out: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
+    def clipped_grad_sums(
+        self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
+    ) -> list[torch.Tensor]:
         (a,) = saved
         weighted = grad_out * factors.to(grad_out.dtype).reshape(-1, *([1] * (grad_out.dim() - 1)))
         weighted = weighted.reshape(-1, grad_out.shape[-1])
         sums = []
-        if self.weight.requires_grad:
+        if self.weight.requires_grad and cache and "weight" in cache:
+            sums.append(_weighted(factors, cache["weight"]))
+        elif self.weight.requires_grad:
             sums.append(weighted.t() @ a.reshape(-1, a.shape[-1]))
         if self.bias is not None and self.bias.requires_grad:
             sums.append(weighted.sum(0))
@@ -146,22 +161,28 @@ class _ConvNd(DPLayer):
         g = grad_out.reshape(b, groups, -1, positions).transpose(2, 3).reshape(b * groups, positions, -1)
         return a, g
 
-    def per_example_sq_norms(self, saved, grad_out: torch.Tensor) -> torch.Tensor:
+    def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (x,) = saved
         b = x.shape[0]
         total = torch.zeros(b, dtype=_acc(x), device=x.device)
         if self.weight.requires_grad and b:
             a, g = self._grouped(x, grad_out)
-            total += _sequence_weight_sq(a, g).reshape(b, self.groups).sum(1)
+            total += _sequence_weight_sq(a, g, cache).reshape(b, self.groups).sum(1)
+            if cache is not None and "weight" in cache:  # [B * groups, C_out/g, C_in/g * k] -> [B, *weight.shape]
+                cache["weight"] = cache["weight"].reshape(b, *self.weight.shape)
         if self.bias is not None and self.bias.requires_grad:
             total += _rowsq(grad_out.flatten(2).sum(2))
         return total
 
-    def clipped_grad_sums(self, saved, grad_out: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
+    def clipped_grad_sums(
+        self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
+    ) -> list[torch.Tensor]:
         (x,) = saved
         weighted = grad_out * factors.to(grad_out.dtype).reshape(-1, *([1] * (grad_out.dim() - 1)))
         sums = []
-        if self.weight.requires_grad:
+        if self.weight.requires_grad and cache and "weight" in cache:
+            sums.append(_weighted(factors, cache["weight"]))
+        elif self.weight.requires_grad:
             weight_grad = torch.nn.grad.conv1d_weight if self._spatial == 1 else torch.nn.grad.conv2d_weight
             sums.append(
                 weight_grad(x, self.weight.shape, weighted, self.stride, self._padding(), self.dilation, self.groups)
@@ -184,8 +205,13 @@ class Conv2d(_ConvNd, nn.Conv2d):
 
 
 class Embedding(nn.Embedding, DPLayer):
-    """``torch.nn.Embedding`` (dense gradients; ``padding_idx`` rows get none). Ghost norm over token matches:
-    ||grad_i||^2 = sum_{t,s} [idx_t == idx_s] <G_t, G_s>, so the vocabulary never enters the cost."""
+    """``torch.nn.Embedding`` (dense gradients; ``padding_idx`` rows get none).
+
+    Per-example norm, whichever is cheaper: the ghost norm over token matches,
+    sum_{t,s} [idx_t == idx_s] <G_t, G_s> (T^2 dim work, vocabulary-free), or the per-example gradient's rows
+    scattered by token id (V dim memory per example, kept for the clipped sum) when 8 V < T^2: the scatter and
+    its passes over B V dim memory cost about 8 times a Gram product's multiply-add per element.
+    """
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         ctx = active_context()
@@ -203,19 +229,31 @@ class Embedding(nn.Embedding, DPLayer):
             g = g * (idx != self.padding_idx).unsqueeze(-1).to(g.dtype)
         return idx, g
 
-    def per_example_sq_norms(self, saved, grad_out: torch.Tensor) -> torch.Tensor:
+    def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (idx,) = saved
         if not self.weight.requires_grad:
             return torch.zeros(idx.shape[0], dtype=_acc(grad_out), device=idx.device)
         idx, g = self._tokens(idx, grad_out)
+        b, t, dim = g.shape
+        if 8 * self.num_embeddings < t * t:
+            rows = (torch.arange(b, device=idx.device).unsqueeze(1) * self.num_embeddings + idx).reshape(-1)
+            per_example = g.new_zeros(b * self.num_embeddings, dim).index_add_(0, rows, g.reshape(-1, dim))
+            per_example = per_example.reshape(b, self.num_embeddings, dim)
+            if cache is not None:
+                cache["weight"] = per_example
+            return _rowsq(per_example)
         g = g.to(_acc(grad_out))
         same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype)  # [B, T, T]
         return (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
 
-    def clipped_grad_sums(self, saved, grad_out: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
+    def clipped_grad_sums(
+        self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
+    ) -> list[torch.Tensor]:
         (idx,) = saved
         if not self.weight.requires_grad:
             return []
+        if cache and "weight" in cache:
+            return [_weighted(factors, cache["weight"])]
         idx, g = self._tokens(idx, grad_out)
         weighted = (g * factors.to(g.dtype).reshape(-1, 1, 1)).reshape(-1, g.shape[-1])
         total = torch.zeros(self.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
@@ -249,13 +287,15 @@ class _AffineNorm(DPLayer):
             grads.append(self._reduce(grad_out))
         return grads
 
-    def per_example_sq_norms(self, saved, grad_out: torch.Tensor) -> torch.Tensor:
+    def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         grads = self._per_example(saved, grad_out)
         return sum((_rowsq(g) for g in grads), torch.zeros(grad_out.shape[0], dtype=_acc(grad_out),
                                                              device=grad_out.device))  # fmt: skip
 
-    def clipped_grad_sums(self, saved, grad_out: torch.Tensor, factors: torch.Tensor) -> list[torch.Tensor]:
-        return [torch.einsum("b,b...->...", factors.to(g.dtype), g) for g in self._per_example(saved, grad_out)]
+    def clipped_grad_sums(
+        self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
+    ) -> list[torch.Tensor]:
+        return [_weighted(factors, g) for g in self._per_example(saved, grad_out)]
 
 
 class LayerNorm(_AffineNorm, nn.LayerNorm):
