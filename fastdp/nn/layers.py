@@ -161,15 +161,37 @@ class _ConvNd(DPLayer):
         g = grad_out.reshape(b, groups, -1, positions).transpose(2, 3).reshape(b * groups, positions, -1)
         return a, g
 
+    def _weight_grad(self, x: torch.Tensor, grad_out: torch.Tensor, weight_shape, groups: int) -> torch.Tensor:
+        weight_grad = torch.nn.grad.conv1d_weight if self._spatial == 1 else torch.nn.grad.conv2d_weight
+        return weight_grad(x, weight_shape, grad_out, self.stride, self._padding(), self.dilation, groups)
+
+    def _per_example_weight(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        """[B, *weight.shape] per-example weight gradients: one convolution backward with the batch folded
+        into the groups (no im2col)."""
+        b = x.shape[0]
+        folded = self._weight_grad(
+            x.reshape(1, b * x.shape[1], *x.shape[2:]),
+            grad_out.reshape(1, b * grad_out.shape[1], *grad_out.shape[2:]),
+            (b * self.weight.shape[0], *self.weight.shape[1:]),
+            b * self.groups,
+        )
+        return folded.reshape(b, *self.weight.shape)
+
     def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (x,) = saved
         b = x.shape[0]
         total = torch.zeros(b, dtype=_acc(x), device=x.device)
         if self.weight.requires_grad and b:
-            a, g = self._grouped(x, grad_out)
-            total += _sequence_weight_sq(a, g, cache).reshape(b, self.groups).sum(1)
-            if cache is not None and "weight" in cache:  # [B * groups, C_out/g, C_in/g * k] -> [B, *weight.shape]
-                cache["weight"] = cache["weight"].reshape(b, *self.weight.shape)
+            positions = math.prod(grad_out.shape[2:])
+            fan_in = self.weight.shape[1] * math.prod(self.kernel_size)
+            if _use_ghost(positions, self.out_channels // self.groups, fan_in):
+                a, g = self._grouped(x, grad_out)
+                total += ghost_norm_sq(a, g).to(_acc(x)).reshape(b, self.groups).sum(1)
+            else:
+                per_example = self._per_example_weight(x, grad_out)
+                if cache is not None:
+                    cache["weight"] = per_example
+                total += _rowsq(per_example)
         if self.bias is not None and self.bias.requires_grad:
             total += _rowsq(grad_out.flatten(2).sum(2))
         return total
@@ -183,10 +205,7 @@ class _ConvNd(DPLayer):
         if self.weight.requires_grad and cache and "weight" in cache:
             sums.append(_weighted(factors, cache["weight"]))
         elif self.weight.requires_grad:
-            weight_grad = torch.nn.grad.conv1d_weight if self._spatial == 1 else torch.nn.grad.conv2d_weight
-            sums.append(
-                weight_grad(x, self.weight.shape, weighted, self.stride, self._padding(), self.dilation, self.groups)
-            )
+            sums.append(self._weight_grad(x, weighted, self.weight.shape, self.groups))
         if self.bias is not None and self.bias.requires_grad:
             sums.append(weighted.flatten(2).sum((0, 2)))
         return sums
