@@ -11,22 +11,18 @@ non-private, and on CUDA the peak memory and its ratio. Results are appended to 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
-import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
+import harness
 import torch
 from torch import nn
 
 from fastdp.algorithms import DPSGD, Batch
 from fastdp.train.models import build_model
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CLIP, SIGMA, LR = 1.0, 1.0, 0.01
 
 
@@ -125,22 +121,6 @@ def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor)
     return step
 
 
-def measure(step, device: torch.device, repeats: int) -> tuple[float, float, float]:
-    """Median, p20, p80 step time in ms (CUDA: triton's do_bench; CPU: wall clock after 2 warm-up steps)."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return tuple(triton.testing.do_bench(step, quantiles=[0.5, 0.2, 0.8], warmup=50, rep=500))
-    step(), step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    q = statistics.quantiles(times, n=10, method="inclusive")
-    return statistics.median(times), q[1], q[7]
-
-
 PROVIDERS = ("nonprivate", "opacus-hooks", "opacus-ghost", "fastdp")
 
 
@@ -154,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     device = torch.device(args.device)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
+    device_name = harness.device_name(device)
+    measure = harness.timer(device, args.repeats, warmup=2)
     try:
         import opacus
 
@@ -184,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                med, p20, p80 = measure(make_step(provider, model, x, y), device, args.repeats)
+                med, p20, p80 = measure(make_step(provider, model, x, y))
             except torch.OutOfMemoryError:
                 print(f"{name:18s} {provider:13s} out of memory", flush=True)
                 continue
@@ -200,15 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                              date=datetime.date.today().isoformat()))  # fmt: skip
             print(f"{name:18s} {provider:13s} {med:10.2f} ms ({p20:.2f}, {p80:.2f})  x{ratio:5.2f} time  "
                   f"{peak:8.1f} MB  x{mem_ratio:5.2f} memory", flush=True)  # fmt: skip
-    out = args.out or RESULTS / f"{device_name.replace(' ', '_')}-dpsgd.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    new = not out.exists()
-    with out.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {len(rows)} rows to {out}")
+    harness.write_rows(rows, args.out, f"{device_name}-dpsgd")
     return 0
 
 

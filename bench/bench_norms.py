@@ -20,45 +20,19 @@ bench/results/<device>_norms.csv (long format).
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import functools
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
+import harness
 import torch
 
 import fastdp
 from fastdp._backend import available
 from fastdp.ops import ghost_norm_sq
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(64, 64, 128, 128), (64, 512, 128, 128), (32, 1024, 768, 768)]  # (B, T, d, p)
-
-
-def timer(device: torch.device, repeats: int):
-    """Median, p20, p80 in ms of a callable: do_bench on GPU, a wall-clock loop on CPU."""
-
-    def measure(fn) -> tuple[float, float, float]:
-        if device.type == "cuda":
-            import triton.testing
-
-            med, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=200)
-            return med, p20, p80
-        fn()  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        times.sort()
-        q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
-        return statistics.median(times), q[1], q[7]
-
-    return measure
 
 
 def matmul_gflops(device: torch.device, dtype: torch.dtype, measure) -> float:
@@ -96,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    measure = timer(device, args.repeats)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
+    measure = harness.timer(device, args.repeats)
+    device_name = harness.device_name(device)
     threads = torch.get_num_threads()
     print(f"device {device_name}, torch {torch.__version__}, threads {threads}")
     try:
@@ -140,15 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     fastdp.set_backend(previous)
-    out = args.out or RESULTS / f"{device_name.replace(' ', '_')}_norms.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    new = not out.exists()
-    with out.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {len(rows)} rows to {out}")
+    harness.write_rows(rows, args.out, f"{device_name}_norms")
     return 0
 
 
