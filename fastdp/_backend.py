@@ -27,6 +27,10 @@ VALIDATED: dict[str, dict[str, tuple[str, ...]]] = {
     # CPU: the csrc/cpu kernel, 1.0x the torch reference at T=64 and 1.75-3.7x at T=512-1024
     # (bench/bench_norms.py, 2 threads, OpenMP build). CUDA: no GPU test run recorded yet.
     "norms": {"cpu": ("cuda",), "cuda": ()},
+    # CPU: the torch reference (no csrc/cpu kernel; the Triton interpreter is a test vehicle).
+    # CUDA: no GPU test run recorded yet.
+    "spectral": {"cpu": (), "cuda": ()},
+    "orthogonal": {"cpu": (), "cuda": ()},
 }
 
 

@@ -74,9 +74,9 @@ def test_per_example_grads_vmap(case):
 
 
 def test_unknown_model():
-    with pytest.raises(ValueError, match="available: auto, cnn, linear, mlp, opacus_cnn"):
+    with pytest.raises(ValueError, match="available: auto, cnn, linear, lipschitz_mlp, mlp, opacus_cnn, weightclip_mlp"):
         build_model("resnet", (30,), 2)
-    assert set(MODELS) == {"auto", "cnn", "linear", "mlp", "opacus_cnn"}
+    assert set(MODELS) == {"auto", "cnn", "linear", "lipschitz_mlp", "mlp", "opacus_cnn", "weightclip_mlp"}
 
 
 def test_opacus_cnn_shape_and_size():

@@ -1,9 +1,19 @@
 """Training variants, one file each: how each bounds the sensitivity of its gradient."""
 
 from fastdp.algorithms.base import Batch, Variant, per_example_cross_entropy
+from fastdp.algorithms.clipless import Clipless, WeightClip
 from fastdp.algorithms.dpsgd import DPSGD
 from fastdp.algorithms.nonprivate import NonPrivate
 
-VARIANTS: dict[str, type[Variant]] = {cls.name: cls for cls in (DPSGD, NonPrivate)}
+VARIANTS: dict[str, type[Variant]] = {cls.name: cls for cls in (DPSGD, Clipless, WeightClip, NonPrivate)}
 
-__all__ = ["DPSGD", "VARIANTS", "Batch", "NonPrivate", "Variant", "per_example_cross_entropy"]
+__all__ = [
+    "DPSGD",
+    "VARIANTS",
+    "Batch",
+    "Clipless",
+    "NonPrivate",
+    "Variant",
+    "WeightClip",
+    "per_example_cross_entropy",
+]

@@ -43,6 +43,11 @@ class Variant(abc.ABC):
     def __init__(self, loss_fn=per_example_cross_entropy) -> None:
         self.loss_fn = loss_fn
 
+    @classmethod
+    def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> Variant:
+        """The variant a :class:`fastdp.train.trainer.TrainConfig` asks for (the trainer knows no variant by name)."""
+        raise ValueError(f"variant {cls.name!r} cannot be built from a training configuration")
+
     @abc.abstractmethod
     def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
         """Set ``p.grad`` of every trainable parameter to this step's gradient.
@@ -50,6 +55,9 @@ class Variant(abc.ABC):
         ``step`` is the global step index (keys the noise). Returns the summed loss of
         the real examples (a detached scalar tensor; no host synchronisation).
         """
+
+    def after_step(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook, nothing by default
+        """Called after the optimizer step (e.g. a projection onto the constraint set: post-processing)."""
 
     def privacy_event(self) -> tuple[float, float] | None:
         """(noise multiplier, sample rate) of one step for the accountant; None if not private."""

@@ -174,6 +174,11 @@ class DPSGD(Variant):
         self.mode = mode
         self._prepared: set[int] = set()
 
+    @classmethod
+    def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> DPSGD:
+        return cls(config.clip_norm, noise_multiplier, sample_rate, num_examples, seed=noise_seed,
+                   secure=config.secure)  # fmt: skip
+
     def _prepare(self, model: torch.nn.Module) -> None:
         """Ghost mode: convert torch layers to DP layers once per model (in place; parameters are kept)."""
         if self.mode == "ghost" and id(model) not in self._prepared:

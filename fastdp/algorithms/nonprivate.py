@@ -11,6 +11,10 @@ class NonPrivate(Variant):
     name = "nonprivate"
     private = False
 
+    @classmethod
+    def from_config(cls, config, **_) -> NonPrivate:
+        return cls()
+
     def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
         for p in trainable_parameters(model):
             p.grad = None

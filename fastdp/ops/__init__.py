@@ -2,5 +2,30 @@
 
 from fastdp.ops.noise import add_noise_, noisy_sgd_step_
 from fastdp.ops.norms import clip_factors, ghost_norm_sq
+from fastdp.ops.orthogonal import (
+    bjorck_orthonormalize,
+    conv_lip_factor,
+    rko_orthonormalize,
+    spectral_normalize_and_orthonormalize,
+)
+from fastdp.ops.spectral import (
+    certified_spectral_norm,
+    certified_spectral_norms,
+    conv_operator_norm,
+    power_iteration,
+)
 
-__all__ = ["add_noise_", "clip_factors", "ghost_norm_sq", "noisy_sgd_step_"]
+__all__ = [
+    "add_noise_",
+    "bjorck_orthonormalize",
+    "certified_spectral_norm",
+    "certified_spectral_norms",
+    "clip_factors",
+    "conv_lip_factor",
+    "conv_operator_norm",
+    "ghost_norm_sq",
+    "noisy_sgd_step_",
+    "power_iteration",
+    "rko_orthonormalize",
+    "spectral_normalize_and_orthonormalize",
+]

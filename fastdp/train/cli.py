@@ -22,8 +22,10 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     g = parser.add_argument_group("what to train")
     g.add_argument("--variant", default=d.variant, choices=sorted(VARIANTS),
-                   help="training variant: dpsgd = per-example clipping + Gaussian noise; nonprivate = plain SGD, "
-                        "for comparison (default: %(default)s)")  # fmt: skip
+                   help="training variant: dpsgd = per-example clipping + Gaussian noise; clipless = Lipschitz "
+                        "network, analytic per-layer bounds, no clipping (needs --model lipschitz_mlp); weightclip = "
+                        "Lip-DP-SGD, weight norms clipped to C (needs --model weightclip_mlp); nonprivate = "
+                        "plain SGD, for comparison (default: %(default)s)")  # fmt: skip
     datasets = "; ".join(f"{name}: {text}" for name, text in DATASETS.items())
     g.add_argument("--dataset", default=d.dataset, choices=sorted(DATASETS),
                    help=f"data set (default: %(default)s); {datasets}")  # fmt: skip
@@ -53,6 +55,18 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sigma: noise std on the clipped gradient sum is sigma * C (instead of --epsilon)")  # fmt: skip
     g.add_argument("--clip-norm", type=float, default=d.clip_norm,
                    help="C: per-example gradient L2 norm bound (default: %(default)s)")  # fmt: skip
+    g.add_argument("--input-bound", type=float, default=None,
+                   help="clipless / Lipschitz models: X_0, each example's input is projected onto the L2 ball of this "
+                        "radius (default sqrt(number of features))")  # fmt: skip
+    g.add_argument("--max-weight-norm", type=float, default=d.max_weight_norm,
+                   help="weightclip: C, each layer's weight matrix is rescaled after a step when its spectral norm "
+                        "exceeds C (default: %(default)s)")  # fmt: skip
+    g.add_argument("--tau", type=float, default=d.tau,
+                   help="clipless: temperature of the loss CE(tau * logits) / tau, Lipschitz sqrt(2) in the logits "
+                        "(default: %(default)s)")  # fmt: skip
+    g.add_argument("--noise-strategy", default=d.noise_strategy, choices=["per-layer", "global"],
+                   help="clipless: noise per parameter tensor from its own bound (per-layer) or one global bound "
+                        "(default: %(default)s)")  # fmt: skip
     g.add_argument("--accountant", default=d.accountant, choices=MECHANISMS,
                    help="rdp (Renyi DP) or pld (privacy loss distributions, tighter), both via dp-accounting "
                         "(default: %(default)s)")  # fmt: skip

@@ -8,6 +8,7 @@ Binary tasks use 2 logits with cross-entropy, like multiclass ones.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from torch import nn
@@ -21,6 +22,10 @@ MODELS: dict[str, str] = {
     "for image inputs (C, H, W) with H, W >= 4, e.g. (1, 28, 28) MNIST or (1, 8, 8) digits",
     "opacus_cnn": "the CNN of Opacus' MNIST example (conv 16x8x8/2, conv 32x4x4/2, 2 linear layers; 26K params); "
     "for (1, 28, 28) inputs",
+    "lipschitz_mlp": "for clipless training: BoundedInput(X_0), then `depth` LipschitzLinear (orthogonal, no bias) + "
+    "GroupSort2 layers of width `hidden`, then a LipschitzLinear classifier (1-Lipschitz up to X_0)",
+    "weightclip_mlp": "for weightclip training: BoundedInput(X_0), then `depth` LipschitzLinear (bias, spectral norm "
+    "clipped to max_weight_norm) + ReLU layers of width `hidden`, then a clipped LipschitzLinear classifier",
     "auto": "cnn for 3-D image input shapes (C, H, W), mlp otherwise",
 }
 
@@ -28,7 +33,13 @@ _CNN_CHANNELS = (16, 32)
 
 
 def build_model(
-    name: str, input_shape: tuple[int, ...], num_classes: int, hidden: int = 64, depth: int = 2
+    name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    hidden: int = 64,
+    depth: int = 2,
+    input_bound: float | None = None,
+    max_weight_norm: float = 1.0,
 ) -> nn.Module:
     """Build model ``name`` (see :data:`MODELS`) mapping inputs [batch, *input_shape] to logits [batch, num_classes].
 
@@ -51,6 +62,30 @@ def build_model(
         in_features *= s
     if name == "linear":
         return nn.Sequential(nn.Flatten(), nn.Linear(in_features, num_classes))
+    if name == "lipschitz_mlp":
+        from fastdp.nn.lipschitz import BoundedInput, GroupSort2, LipschitzLinear
+
+        if hidden < 2 or hidden % 2 or depth < 1:
+            raise ValueError(f"lipschitz_mlp needs an even hidden width >= 2 and depth >= 1, got {hidden=}, {depth=}")
+        bound = math.sqrt(in_features) if input_bound is None else input_bound  # standardised features: ~sqrt(d)
+        layers: list[nn.Module] = [BoundedInput(bound), nn.Flatten()]
+        for i in range(depth):
+            layers += [LipschitzLinear(in_features if i == 0 else hidden, hidden), GroupSort2()]
+        return nn.Sequential(*layers, LipschitzLinear(hidden, num_classes))
+    if name == "weightclip_mlp":
+        from fastdp.nn.lipschitz import BoundedInput, LipschitzLinear
+
+        if hidden < 1 or depth < 1:
+            raise ValueError(f"weightclip_mlp needs hidden >= 1 and depth >= 1, got {hidden=}, {depth=}")
+        bound = math.sqrt(in_features) if input_bound is None else input_bound
+
+        def clipped(n_in: int, n_out: int) -> nn.Module:
+            return LipschitzLinear(n_in, n_out, bias=True, projection="clip", max_norm=max_weight_norm)
+
+        layers = [BoundedInput(bound), nn.Flatten()]
+        for i in range(depth):
+            layers += [clipped(in_features if i == 0 else hidden, hidden), nn.ReLU()]
+        return nn.Sequential(*layers, clipped(hidden, num_classes))
     if name == "opacus_cnn":
         if input_shape != (1, 28, 28):
             raise ValueError(f"opacus_cnn is built for (1, 28, 28) inputs (MNIST), got {input_shape}")

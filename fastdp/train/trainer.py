@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fastdp.algorithms import DPSGD, VARIANTS, Batch, NonPrivate, Variant
+from fastdp.algorithms import VARIANTS, Batch, Variant
 from fastdp.privacy.accounting import MECHANISMS, PrivacyAccountant, get_noise_multiplier
 from fastdp.privacy.rng import os_entropy_seed
 from fastdp.privacy.sampling import PoissonSampler, ShuffleSampler, pad_batch, physical_batch_size
@@ -46,6 +46,10 @@ class TrainConfig:
     optimizer: str = "sgd"
     momentum: float = 0.0
     clip_norm: float = 1.0
+    input_bound: float | None = None  # Lipschitz models: X_0, inputs projected onto this L2 ball (default sqrt(d))
+    max_weight_norm: float = 1.0  # weightclip: C, the bound kept on each layer's spectral norm
+    tau: float = 1.0  # clipless: temperature of the tau cross-entropy (Lipschitz constant sqrt(2) in logits)
+    noise_strategy: str = "per-layer"  # clipless: per-layer or global noise
     epsilon: float | None = None
     delta: float = 1e-5
     noise_multiplier: float | None = None
@@ -126,7 +130,13 @@ class Trainer:
         n = self.data.x_train.shape[0]
         if config.batch_size > n:
             raise ValueError(f"batch size {config.batch_size} exceeds the {n} training examples of {config.dataset}")
-        self.model = build_model(config.model, self.data.input_shape, self.data.num_classes, hidden=config.hidden)
+        self.model = build_model(config.model, self.data.input_shape, self.data.num_classes, hidden=config.hidden,
+                                 input_bound=config.input_bound, max_weight_norm=config.max_weight_norm)  # fmt: skip
+        needs = {"clipless": "lipschitz_mlp", "weightclip": "weightclip_mlp"}.get(config.variant)
+        if needs and config.model not in ("lipschitz_mlp", "weightclip_mlp"):
+            raise ValueError(
+                f"{config.variant} training needs a Lipschitz model (--model {needs}), got {config.model!r}"
+            )
         self.model.to(self.device)
         self.optimizer = _make_optimizer(config, self.model)
         self.private = VARIANTS[config.variant].private
@@ -156,17 +166,14 @@ class Trainer:
 
     def _make_variant(self) -> Variant:
         config = self.config
-        if config.variant == "nonprivate":
-            return NonPrivate()
         # Noise seed: from the run seed (reproducible) unless secure, which draws from OS entropy per step.
         noise_seed = os_entropy_seed() if config.secure else (config.seed * 0x9E3779B97F4A7C15 + 1) % 2**63
-        return DPSGD(
-            clip_norm=config.clip_norm,
+        return VARIANTS[config.variant].from_config(
+            config,
             noise_multiplier=self.noise_multiplier,
             sample_rate=self.sampler.sample_rate,
             num_examples=self.data.x_train.shape[0],
-            seed=noise_seed,
-            secure=config.secure,
+            noise_seed=noise_seed,
         )
 
     # ------------------------------------------------------------------------------ steps
@@ -221,6 +228,7 @@ class Trainer:
                 loss_sum += self.variant.gradient(self.model, batch, self.step)
                 examples += indices.numel()
                 self.optimizer.step()
+                self.variant.after_step(self.model)
                 event = self.variant.privacy_event()
                 if event is not None:
                     self.accountant.step(*event)

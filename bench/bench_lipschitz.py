@@ -1,0 +1,142 @@
+"""Benchmark of the Lipschitz constraints: Björck orthonormalisation and power iteration.
+
+Cases: square matrices n in {64, 256, 1024} (and 4096 on GPU), one matrix per call, and a
+10-layer list of 512 x 512 matrices. Ops: ``bjorck`` (15 steps, beta 0.5) and
+``power_iteration`` (10 steps, warm start). Providers:
+
+* ``torch-loop`` — the baseline as deel-torchlip writes it: a Python loop of ``torch.mm``
+  per layer and per step (written inline below, no fastdp code);
+* ``fastdp-ref`` — fastdp's torch reference (the CPU default);
+* ``fastdp-triton`` — the Triton kernels (GPU only: the interpreter is a test vehicle).
+
+Reports the median time (p20, p80) in ms and the speedup over the baseline. Results are
+appended to bench/results/<device>_lipschitz.csv unless ``--out`` is given.
+
+    python bench/bench_lipschitz.py
+    python bench/bench_lipschitz.py --out /tmp/lipschitz.csv --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import sys
+from pathlib import Path
+
+import harness
+import torch
+import torch.nn.functional as F
+
+import fastdp
+from fastdp._backend import available
+from fastdp.ops import bjorck_orthonormalize, power_iteration
+
+BJORCK_ITERS = 15
+POWER_ITERS = 10
+
+
+def torch_loop_bjorck(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """deel-torchlip style: per layer, per step, two torch.mm."""
+    out = []
+    for w in weights:
+        for _ in range(BJORCK_ITERS):
+            if w.shape[0] >= w.shape[1]:
+                w = 1.5 * w - 0.5 * torch.mm(w, torch.mm(w.t(), w))
+            else:
+                w = 1.5 * w - 0.5 * torch.mm(torch.mm(w, w.t()), w)
+        out.append(w)
+    return out
+
+
+def torch_loop_power_iteration(weights: list[torch.Tensor], vectors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """deel-torchlip style: per layer, per step, two matrix-vector products and normalisations."""
+    sigmas = []
+    for w, u in zip(weights, vectors, strict=True):
+        for _ in range(POWER_ITERS):
+            v = F.normalize(torch.mv(w, u), dim=0)
+            u = F.normalize(torch.mv(w.t(), v), dim=0)
+        sigmas.append(torch.dot(v, torch.mv(w, u)))
+    return sigmas
+
+
+def providers(device: torch.device) -> dict[str, str | None]:
+    out: dict[str, str | None] = {"torch-loop": None, "fastdp-ref": "torch"}
+    ok, _ = available("triton", device.type)
+    if ok and device.type == "cuda":
+        out["fastdp-triton"] = "triton"
+    return out
+
+
+def cases(device: torch.device) -> list[tuple[str, int, int]]:
+    """(label, layers, n)."""
+    sizes = [64, 256, 1024] + ([4096] if device.type == "cuda" else [])
+    return [(f"{n}x{n}", 1, n) for n in sizes] + [("10x512x512", 10, 512)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per provider on CPU")
+    parser.add_argument("--ops", nargs="+", default=["bjorck", "power_iteration"])
+    parser.add_argument("--out", type=Path, default=None, help="CSV to append to (default bench/results/)")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    measure = harness.timer(device, args.repeats)
+    device_name = harness.device_name(device)
+    threads = torch.get_num_threads()
+    print(f"device {device_name}, torch {torch.__version__}, threads {threads}")
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = ""
+    date = datetime.date.today().isoformat()
+    rows = []
+    previous = fastdp.get_backend()
+    for op in args.ops:
+        for label, layers, n in cases(device):
+            gen = torch.Generator().manual_seed(0)
+            weights = [(torch.randn(n, n, generator=gen) / (2 * n**0.5)).to(device) for _ in range(layers)]
+            vectors = [F.normalize(torch.randn(n, generator=gen), dim=0).to(device) for _ in range(layers)]
+            base_ms = None
+            for provider, backend in providers(device).items():
+                if backend is not None:
+                    fastdp.set_backend(backend)
+                if op == "bjorck":
+                    fn = (
+                        functools.partial(torch_loop_bjorck, weights)
+                        if backend is None
+                        else functools.partial(bjorck_orthonormalize, weights, BJORCK_ITERS)
+                    )
+                    flops = layers * BJORCK_ITERS * 4 * n**3
+                else:
+                    fn = (
+                        functools.partial(torch_loop_power_iteration, weights, vectors)
+                        if backend is None
+                        else functools.partial(power_iteration, weights, vectors, POWER_ITERS)
+                    )
+                    flops = layers * POWER_ITERS * 4 * n**2
+                med, p20, p80 = measure(fn)
+                base_ms = med if backend is None else base_ms
+                row = dict(
+                    op=op, provider=provider, shape=label, dtype="float32", median_ms=f"{med:.4f}",
+                    p20_ms=f"{p20:.4f}", p80_ms=f"{p80:.4f}", gflops=f"{flops / (med * 1e-3) / 1e9:.1f}",
+                    speedup_vs_torch_loop=f"{base_ms / med:.2f}", device=device_name, threads=threads,
+                    torch=torch.__version__, triton=triton_version, date=date,
+                )  # fmt: skip
+                rows.append(row)
+                print(
+                    f"{op:16s} {label:12s} {provider:14s} {med:10.3f} ms ({p20:.3f}, {p80:.3f})  "
+                    f"{row['gflops']:>8s} GFLOP/s  x{row['speedup_vs_torch_loop']} vs torch-loop",
+                    flush=True,
+                )
+    fastdp.set_backend(previous)
+    harness.write_rows(rows, args.out, f"{device_name}_lipschitz")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Clipless DP-SGD with a Lipschitz network (Bethune et al., "DP-SGD without clipping", papers/00).
+
+No per-example work: the per-example gradient norm of every parameter tensor is bounded analytically by
+"backpropagation for bounds" (``fastdp.nn.lipschitz.lipschitz_bounds``) from the input bound X_0, the loss's
+Lipschitz constant and the layers' certified constants on the current weights. One ordinary backward of the
+summed loss, then noise on the sum and division by the expected batch size q N:
+
+* ``strategy="per-layer"``: tensor l gets noise std s * Delta_l. D tensors released together are D Gaussian
+  mechanisms with multiplier s each, which account as one with multiplier s / sqrt(D); the ``noise_multiplier``
+  given here is that effective multiplier sigma (what the accountant records), so s = sigma * sqrt(D).
+* ``strategy="global"``: every tensor gets std sigma * sqrt(sum_l Delta_l^2) (one Gaussian mechanism).
+
+Adjacency add/remove-one. After the optimizer step the projection Pi restores the Lipschitz constraints
+(post-processing of a private output: no privacy cost). The bounds are recomputed every step from the current
+(private) weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastdp.algorithms.base import Batch, Variant, trainable_parameters
+from fastdp.nn.lipschitz import BoundedInput, LipschitzLoss, TauCrossEntropy, lipschitz_bounds, project_
+from fastdp.ops import add_noise_
+
+STRATEGIES = ("per-layer", "global")
+
+
+class Clipless(Variant):
+    """Clipless DP-SGD; ``noise_multiplier`` is the effective sigma the accountant records."""
+
+    name = "clipless"
+    private = True
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        sample_rate: float,
+        num_examples: int,
+        input_bound: float | None = None,  # X_0 enforced here by projecting inputs; None: the model's BoundedInput
+        loss: LipschitzLoss | None = None,
+        strategy: str = "per-layer",
+        seed: int = 0,
+        secure: bool = False,
+    ) -> None:
+        loss = loss or TauCrossEntropy()
+        if not isinstance(loss, LipschitzLoss):
+            raise ValueError(f"clipless training needs a loss with a Lipschitz constant (LipschitzLoss), got {loss}")
+        super().__init__(loss)
+        if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(f"noise multiplier must be finite and >= 0, got {noise_multiplier}")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown noise strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        self.noise_multiplier = float(noise_multiplier)
+        self.sample_rate = float(sample_rate)
+        self.expected_batch_size = self.sample_rate * num_examples
+        if input_bound is not None and not (math.isfinite(input_bound) and input_bound > 0):
+            raise ValueError(f"input bound X_0 must be finite and > 0, got {input_bound}")
+        self.input_bound = input_bound
+        self.strategy = strategy
+        self.seed = seed
+        self.secure = secure
+        self.last_bounds: list[float] = []
+
+    @classmethod
+    def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> Clipless:
+        # the input bound X_0 lives in the model (BoundedInput, see fastdp.train.models)
+        return cls(noise_multiplier, sample_rate, num_examples, loss=TauCrossEntropy(config.tau),
+                   strategy=config.noise_strategy, seed=noise_seed, secure=config.secure)  # fmt: skip
+
+    def noise_stds(self, model: torch.nn.Module) -> list[float]:
+        """Noise std on the summed gradient of every trainable parameter, from the current bounds."""
+        x_bound = math.inf if self.input_bound is None else self.input_bound  # else the model's BoundedInput
+        bounds = lipschitz_bounds(model, self.loss_fn, x_bound)
+        params = trainable_parameters(model)
+        self.last_bounds = [bounds[p] for p in params]
+        if self.strategy == "global":
+            return [self.noise_multiplier * math.sqrt(sum(b * b for b in self.last_bounds))] * len(params)
+        per_tensor = self.noise_multiplier * math.sqrt(len(params))
+        return [per_tensor * b for b in self.last_bounds]
+
+    def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
+        params = trainable_parameters(model)
+        stds = self.noise_stds(model)
+        x = batch.x if self.input_bound is None else BoundedInput(self.input_bound)(batch.x)  # enforce X_0
+        losses = self.loss_fn(model(x), batch.y) * batch.mask
+        if batch.x.shape[0]:
+            sums = list(torch.autograd.grad(losses.sum(), params, allow_unused=True))
+            sums = [torch.zeros_like(p) if g is None else g for p, g in zip(params, sums, strict=True)]
+        else:
+            sums = [torch.zeros_like(p) for p in params]
+        if self.secure:
+            add_noise_(sums, stds, secure=True)
+        else:
+            add_noise_(sums, stds, seed=self.seed, offset=step)
+        for p, total in zip(params, sums, strict=True):
+            p.grad = total.div_(self.expected_batch_size)
+        return losses.detach().sum()
+
+    def after_step(self, model: torch.nn.Module) -> None:
+        project_(model)
+
+    def privacy_event(self) -> tuple[float, float]:
+        return self.noise_multiplier, self.sample_rate
+
+    def describe(self) -> dict:
+        return {
+            "variant": self.name,
+            "noise_multiplier": self.noise_multiplier,
+            "strategy": self.strategy,
+            "input_bound": self.input_bound,
+            "loss": type(self.loss_fn).__name__,
+            "loss_lipschitz": self.loss_fn.lipschitz,
+            "sample_rate": self.sample_rate,
+            "expected_batch_size": self.expected_batch_size,
+            "gradient_bounds": self.last_bounds,
+        }
+
+
+class WeightClip(Clipless):
+    """Lip-DP-SGD (Barczewski and Ramon, papers/01) with its privacy defects fixed (W1-W8): the same bound machinery
+    as clipless, on a network whose layers keep ||W_k||_2 <= C by rescaling only when above C (model
+    ``weightclip_mlp``). Sensitivities come from data-independent bounds (inputs projected onto the X_0 ball, bias
+    norms added, downstream constants only, eq. 14), the sum is divided by the expected batch size, and per-layer
+    noise is accounted with its effective multiplier."""
+
+    name = "weightclip"

@@ -1,0 +1,396 @@
+"""Lipschitz layers, losses and "backpropagation for bounds" (papers/00, Algorithm 1) for clipless DP training.
+
+Every layer here has bound rules, evaluated on the current (already private) weights:
+
+* ``propagate(x)``: bound on the output norm of one example given a bound ``x`` on its input norm;
+* ``sensitivities(x, g)``: per-example gradient-norm bound of each trainable parameter, given the input bound
+  ``x`` and a bound ``g`` on the per-example gradient w.r.t. the layer output;
+* ``backpropagate(g)``: bound on the per-example gradient w.r.t. the layer input (``g`` times the layer's
+  Lipschitz constant w.r.t. its input).
+
+Units: bounds are per example, for the *summed* loss (DP-SGD's convention here: noise goes on the sum, which is
+then divided by the expected batch size). Norms are L2 over all of one example's coordinates. Constants that
+depend on weights are certified upper bounds (``fastdp.ops.certified_spectral_norm``), not power-iteration
+estimates, which under-estimate. :func:`lipschitz_bounds` refuses models containing a module without rules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdp.ops import certified_spectral_norm, spectral_normalize_and_orthonormalize
+
+__all__ = [
+    "AddBias",
+    "BoundedInput",
+    "ClipGradient",
+    "GroupSort2",
+    "LayerCentering",
+    "LipschitzLinear",
+    "LipschitzLoss",
+    "MulticlassHinge",
+    "MulticlassKR",
+    "Residual",
+    "TauCrossEntropy",
+    "lipschitz_bounds",
+    "project_",
+]
+
+
+CERTIFY_ITERS = 12
+
+
+class LipschitzModule(nn.Module):
+    """A layer with bound rules; the default is a parameter-free 1-Lipschitz map with ``f(0) = 0``."""
+
+    def propagate(self, x_bound: float) -> float:
+        return x_bound
+
+    def sensitivities(self, x_bound: float, g_bound: float) -> dict[nn.Parameter, float]:
+        return {}
+
+    def backpropagate(self, g_bound: float) -> float:
+        return g_bound
+
+    def project_(self) -> None:
+        """Projection Pi onto the constraint set (post-processing after an optimizer step)."""
+
+
+class BoundedInput(LipschitzModule):
+    """Projects each example onto the L2 ball of radius ``bound`` (all non-batch dimensions): ||x|| <= X_0."""
+
+    def __init__(self, bound: float) -> None:
+        super().__init__()
+        if not (math.isfinite(bound) and bound > 0):
+            raise ValueError(f"BoundedInput: bound X_0 must be finite and > 0, got {bound}")
+        self.bound = float(bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norms = x.reshape(x.shape[0], -1).norm(dim=1).clamp(min=1e-12)
+        scale = (self.bound / norms).clamp(max=1.0)
+        return x * scale.reshape(-1, *([1] * (x.dim() - 1)))
+
+    def propagate(self, x_bound: float) -> float:
+        return min(self.bound, x_bound)
+
+
+PROJECTIONS = ("orthogonal", "clip", "fixed")
+
+
+class LipschitzLinear(LipschitzModule):
+    """y = x W^T (+ b), with the spectral norm of W kept in check by the projection after each step:
+
+    * ``"orthogonal"`` (clipless, GNP): spectral normalisation then Bjorck, all singular values -> ``max_norm``;
+    * ``"clip"`` (Lip-DP-SGD, papers/01): W <- W min(1, C / ||W||_2), i.e. rescaled only when above C = ``max_norm``
+      (the projection onto the spectral ball, a convex set);
+    * ``"fixed"`` (Fix-Lip-DP-SGD): always rescaled to ||W||_2 = C.
+
+    Inputs [B, d], or token-wise [B, ..., d] without bias. Rules (l = certified ||W||_2 of the current weights):
+    ||y|| <= l ||x|| + ||b||; ||dL/dx|| <= l g; per-example ||dL/dW||_F <= g ||x|| (token-wise too:
+    ||sum_t g_t x_t^T||_F <= ||g|| ||x||) and ||dL/db|| <= g — together g sqrt(||x||^2 + 1) (papers/01, W8).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        projection: str = "orthogonal",
+        max_norm: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if projection not in PROJECTIONS:
+            raise ValueError(f"unknown projection {projection!r}; choose one of {', '.join(PROJECTIONS)}")
+        if not (math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"max_norm must be finite and > 0, got {max_norm}")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        nn.init.orthogonal_(self.weight, gain=max_norm if projection != "clip" else 1.0)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.projection = projection
+        self.max_norm = float(max_norm)
+        self.register_buffer("_u", torch.ones(in_features) / math.sqrt(in_features), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None and x.dim() != 2:
+            raise ValueError(f"LipschitzLinear with bias takes [B, d] inputs, got shape {tuple(x.shape)}")
+        return F.linear(x, self.weight, self.bias)
+
+    def lipschitz(self) -> float:
+        # 12 Gram iterations: the bound exceeds sigma_max by at most a factor rank^(1/2^13) (1.0008 for rank 512)
+        return float(certified_spectral_norm(self.weight.detach(), iters=CERTIFY_ITERS))
+
+    def _bias_norm(self) -> float:
+        return 0.0 if self.bias is None else float(self.bias.detach().norm())
+
+    def propagate(self, x_bound: float) -> float:
+        return self.lipschitz() * x_bound + self._bias_norm()
+
+    def sensitivities(self, x_bound: float, g_bound: float) -> dict[nn.Parameter, float]:
+        out = {self.weight: g_bound * x_bound} if self.weight.requires_grad else {}
+        if self.bias is not None and self.bias.requires_grad:
+            out[self.bias] = g_bound
+        return out
+
+    def backpropagate(self, g_bound: float) -> float:
+        return g_bound * self.lipschitz()
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        if self.projection == "orthogonal":
+            (w,), (u,) = spectral_normalize_and_orthonormalize([self.weight], [self._u])
+            self.weight.copy_(w * self.max_norm)
+            self._u.copy_(u)
+            return
+        norm = self.lipschitz()  # certified: after rescaling, ||W||_2 <= C for sure
+        if self.projection == "fixed" or norm > self.max_norm:
+            self.weight.mul_(self.max_norm / norm)
+
+
+class AddBias(LipschitzModule):
+    """y = x + b for [B, d] inputs, with ||b|| <= ``norm_max`` kept by projection onto the ball.
+
+    Rules: ||y|| <= ||x|| + norm_max; per-example ||dL/db|| <= g; ||dL/dx|| <= g.
+    """
+
+    def __init__(self, features: int, norm_max: float) -> None:
+        super().__init__()
+        if not (math.isfinite(norm_max) and norm_max >= 0):
+            raise ValueError(f"AddBias: norm_max must be finite and >= 0, got {norm_max}")
+        self.bias = nn.Parameter(torch.zeros(features))
+        self.norm_max = float(norm_max)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"AddBias takes [B, d] inputs (one bias per example), got shape {tuple(x.shape)}")
+        return x + self.bias
+
+    def propagate(self, x_bound: float) -> float:
+        return x_bound + self.norm_max
+
+    def sensitivities(self, x_bound: float, g_bound: float) -> dict[nn.Parameter, float]:
+        return {self.bias: g_bound} if self.bias.requires_grad else {}
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        norm = self.bias.norm()
+        if norm > self.norm_max:
+            self.bias.mul_(self.norm_max / norm)
+
+
+class GroupSort2(LipschitzModule):
+    """Pairs channel j with channel j + C/2 (last dimension) and outputs (min, max): norm preserving (GNP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2:
+            raise ValueError(f"GroupSort2 needs an even number of features, got {x.shape[-1]}")
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([torch.minimum(a, b), torch.maximum(a, b)], dim=-1)
+
+
+class LayerCentering(LipschitzModule):
+    """x - mean(x) over the last dimension: singular values {0, 1, ..., 1}, so 1-Lipschitz and ||y|| <= ||x||."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(dim=-1, keepdim=True)
+
+
+class Residual(LipschitzModule):
+    """1-Lipschitz merge ("1-lip-add"): y = (x + block(x)) / 2, block a sequence of Lipschitz modules.
+
+    Rules: ||y|| <= (X + X_block) / 2; the block's parameters see the gradient bound g / 2; the input gradient
+    bound is g (1 + l_block) / 2.
+    """
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__()
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (x + self.block(x))
+
+    def propagate(self, x_bound: float) -> float:
+        return 0.5 * (x_bound + _forward_bounds(self.block, x_bound)[-1])
+
+    def sensitivities(self, x_bound: float, g_bound: float) -> dict[nn.Parameter, float]:
+        return _backward_bounds(self.block, _forward_bounds(self.block, x_bound), 0.5 * g_bound)[0]
+
+    def backpropagate(self, g_bound: float) -> float:
+        # l_block from the chain of the block's layers (x-independent for these rules)
+        _, block_g = _backward_bounds(self.block, _forward_bounds(self.block, 1.0), 1.0)
+        return 0.5 * g_bound * (1.0 + block_g)
+
+
+class ClipGradient(LipschitzModule):
+    """Identity forward; backward clips each example's gradient w.r.t. its input (the logits) to norm ``clip``.
+
+    Rule: ||dL/dx|| <= min(g, clip) on the way back, so placed last it caps the loss constant L at ``clip``.
+    """
+
+    def __init__(self, clip: float) -> None:
+        super().__init__()
+        if not (math.isfinite(clip) and clip > 0):
+            raise ValueError(f"ClipGradient: clip must be finite and > 0, got {clip}")
+        self.clip = float(clip)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ClipRows.apply(x, self.clip)
+
+    def backpropagate(self, g_bound: float) -> float:
+        return min(g_bound, self.clip)
+
+
+class _ClipRows(torch.autograd.Function):
+    """Identity; the backward scales each row (example) of the incoming gradient to norm <= clip. Works under
+    torch.func transforms (setup_context + generated vmap rule)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, clip: float) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.clip = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        norms = grad.reshape(grad.shape[0], -1).norm(dim=1)
+        scale = (ctx.clip / norms.clamp(min=1e-12)).clamp(max=1.0)
+        return grad * scale.reshape(-1, *([1] * (grad.dim() - 1))), None
+
+
+# ----------------------------------------------------------------------------------------------------- losses
+
+
+class LipschitzLoss(nn.Module):
+    """A per-example loss (no reduction) with ``lipschitz``: a bound on ||d loss_i / d logits_i||_2."""
+
+    lipschitz: float
+
+
+class TauCrossEntropy(LipschitzLoss):
+    """CE(tau * logits, y) / tau (deel-lip's convention): its logit gradient softmax(tau z) - onehot(y) has norm
+    <= sqrt(2), whatever tau."""
+
+    lipschitz = math.sqrt(2.0)
+
+    def __init__(self, tau: float = 1.0) -> None:
+        super().__init__()
+        if not (math.isfinite(tau) and tau > 0):
+            raise ValueError(f"TauCrossEntropy: tau must be finite and > 0, got {tau}")
+        self.tau = float(tau)
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.tau * logits, y, reduction="none") / self.tau
+
+
+class MulticlassKR(LipschitzLoss):
+    """Kantorovich-Rubinstein, one vs all: -(z_y - mean_{j != y} z_j). Gradient: -1 at y, 1/(K-1) elsewhere,
+    norm sqrt(1 + 1/(K-1)) <= sqrt(2) (the bound used)."""
+
+    lipschitz = math.sqrt(2.0)
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        k = logits.shape[1]
+        true = logits.gather(1, y.unsqueeze(1)).squeeze(1)
+        others = (logits.sum(1) - true) / (k - 1)
+        return others - true
+
+
+class MulticlassHinge(LipschitzLoss):
+    """mean_j max(0, margin/2 - s_j z_j), s_j = +1 for the true class, -1 otherwise. Gradient entries are 0 or
+    +-1/K, so its norm is <= 1/sqrt(K) <= 1 (the bound used: 1)."""
+
+    lipschitz = 1.0
+
+    def __init__(self, margin: float = 1.0) -> None:
+        super().__init__()
+        self.margin = float(margin)
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        signs = -torch.ones_like(logits).scatter_(1, y.unsqueeze(1), 1.0)
+        return F.relu(self.margin / 2 - signs * logits).mean(1)
+
+
+# ------------------------------------------------------------------------------------ backpropagation for bounds
+
+
+_PARAMETER_FREE_OK = (nn.Flatten, nn.Identity, nn.ReLU)  # 1-Lipschitz, f(0) = 0, no parameters
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    return [model]
+
+
+def _check(layer: nn.Module) -> None:
+    if isinstance(layer, (LipschitzModule, nn.Sequential, *_PARAMETER_FREE_OK)):
+        return
+    raise ValueError(
+        f"{type(layer).__name__} has no Lipschitz bound rule; clipless training needs every layer to have one "
+        "(fastdp.nn.lipschitz: BoundedInput, LipschitzLinear, AddBias, GroupSort2, LayerCentering, Residual, "
+        "ClipGradient; plus Flatten, Identity, ReLU)"
+    )
+
+
+def _forward_bounds(model: nn.Module, x_bound: float) -> list[float]:
+    """[X_0, X_1, ..., X_D]: input-norm bound of every layer, then the output bound."""
+    bounds = [x_bound]
+    for layer in _layers(model):
+        _check(layer)
+        if isinstance(layer, nn.Sequential):
+            bounds.append(_forward_bounds(layer, bounds[-1])[-1])
+        elif isinstance(layer, LipschitzModule):
+            bounds.append(layer.propagate(bounds[-1]))
+        else:
+            bounds.append(bounds[-1])
+    return bounds
+
+
+def _backward_bounds(model: nn.Module, x_bounds: list[float], g_bound: float) -> tuple[dict, float]:
+    """(parameter -> per-example gradient bound, gradient bound at the model input)."""
+    sensitivities: dict[nn.Parameter, float] = {}
+    for layer, x_bound in reversed(list(zip(_layers(model), x_bounds[:-1], strict=True))):
+        if isinstance(layer, nn.Sequential):
+            inner, g_bound = _backward_bounds(layer, _forward_bounds(layer, x_bound), g_bound)
+            sensitivities.update(inner)
+        elif isinstance(layer, LipschitzModule):
+            sensitivities.update(layer.sensitivities(x_bound, g_bound))
+            g_bound = layer.backpropagate(g_bound)
+    return sensitivities, g_bound
+
+
+def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float = math.inf) -> dict[nn.Parameter, float]:
+    """Per-example gradient-norm bound Delta_l of every trainable parameter (Algorithm 1 of papers/00, for the
+    summed loss: no 1/b). ``input_bound`` is X_0 unless the model starts with :class:`BoundedInput`.
+
+    Raises ValueError for a module without bound rules, a trainable parameter no rule covers, or an infinite
+    bound (no finite input bound anywhere before a parametrised layer).
+    """
+    sensitivities, _ = _backward_bounds(model, _forward_bounds(model, input_bound), loss.lipschitz)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    missing = [p for p in trainable if p not in sensitivities]
+    if missing:
+        raise ValueError(f"{len(missing)} trainable parameters are not covered by a Lipschitz layer's bound rule")
+    infinite = [p for p, s in sensitivities.items() if not math.isfinite(s)]
+    if infinite:
+        raise ValueError(
+            "infinite gradient bound: the input norm is unbounded; start the model with BoundedInput(X_0) or give "
+            "input_bound"
+        )
+    return sensitivities
+
+
+def project_(model: nn.Module) -> None:
+    """Apply every layer's projection Pi (after an optimizer step; post-processing, free in privacy)."""
+    for module in model.modules():
+        if isinstance(module, LipschitzModule) and module is not model:
+            module.project_()
+    if isinstance(model, LipschitzModule):
+        model.project_()

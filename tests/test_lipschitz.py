@@ -1,0 +1,236 @@
+"""Lipschitz layers, losses, backpropagation for bounds, and the clipless variant's privacy-relevant numbers."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from fastdp.algorithms import Batch, Clipless
+from fastdp.nn.lipschitz import (
+    AddBias,
+    BoundedInput,
+    ClipGradient,
+    GroupSort2,
+    LayerCentering,
+    LipschitzLinear,
+    LipschitzLoss,
+    MulticlassHinge,
+    MulticlassKR,
+    Residual,
+    TauCrossEntropy,
+    lipschitz_bounds,
+    project_,
+)
+from fastdp.train.trainer import TrainConfig, train
+
+SIGMAS = 5.0
+
+
+def per_example_grad_norms(model: nn.Module, loss: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """parameter -> [B] per-example gradient norms of the summed loss (torch.func; the test's ground truth)."""
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+    def one(ps, xi, yi):
+        return loss(functional_call(model, ps, (xi.unsqueeze(0),)), yi.unsqueeze(0)).sum()
+
+    grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    by_name = dict(model.named_parameters())
+    return {by_name[n]: g.reshape(g.shape[0], -1).norm(dim=1) for n, g in grads.items()}
+
+
+def mlp(d=12, hidden=16, classes=4, bound=3.0, bias=True, residual=True, clip=None) -> nn.Module:
+    layers = [BoundedInput(bound), LipschitzLinear(d, hidden), GroupSort2()]
+    if bias:
+        layers += [AddBias(hidden, 0.5)]
+    if residual:
+        layers += [Residual(LipschitzLinear(hidden, hidden), GroupSort2(), LayerCentering())]
+    layers += [LipschitzLinear(hidden, classes)]
+    if clip is not None:
+        layers += [ClipGradient(clip)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize(
+    "loss", [TauCrossEntropy(0.01), TauCrossEntropy(1.0), TauCrossEntropy(50.0), MulticlassKR(), MulticlassHinge(1.0)]
+)
+def test_loss_lipschitz_constants_hold_at_extreme_logits(loss):
+    torch.manual_seed(0)
+    for scale in (1e-3, 1.0, 1e3):
+        logits = (scale * torch.randn(200, 5)).requires_grad_()
+        y = torch.randint(0, 5, (200,))
+        (g,) = torch.autograd.grad(loss(logits, y).sum(), logits)
+        assert g.norm(dim=1).max() <= loss.lipschitz * (1 + 1e-6)
+
+
+def test_parameter_free_layers():
+    x = torch.randn(10, 8)
+    torch.testing.assert_close(GroupSort2()(x).norm(dim=1), x.norm(dim=1))
+    assert (LayerCentering()(x).norm(dim=1) <= x.norm(dim=1) + 1e-6).all()
+    clipped = BoundedInput(1.5)(x * 10)
+    assert (clipped.norm(dim=1) <= 1.5 + 1e-5).all()
+    small = 0.01 * x
+    torch.testing.assert_close(BoundedInput(1.5)(small), small)
+
+
+@pytest.mark.parametrize("kind", ["chain", "bias+residual", "clip-gradient"])
+def test_per_example_gradients_never_exceed_the_bounds(kind):
+    """The privacy guarantee: per-example gradient norms <= Delta_l, for inputs on the X_0 sphere, huge inputs,
+    random and extreme logits, and after projected training steps."""
+    torch.manual_seed(1)
+    loss = TauCrossEntropy(5.0)
+    model = {
+        "chain": lambda: mlp(bias=False, residual=False),
+        "bias+residual": lambda: mlp(),
+        "clip-gradient": lambda: mlp(clip=0.3),
+    }[kind]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for round_ in range(4):
+        x = torch.randn(64, 12)
+        x = torch.cat([3.0 * x[:32] / x[:32].norm(dim=1, keepdim=True), 1e3 * x[32:]])  # sphere and far outside
+        y = torch.randint(0, 4, (64,))
+        bounds = lipschitz_bounds(model, loss)
+        norms = per_example_grad_norms(model, loss, x, y)
+        for p, n in norms.items():
+            assert n.max() <= bounds[p] * (1 + 1e-5), f"{kind}, round {round_}: {n.max()} > {bounds[p]}"
+        optimizer.zero_grad()
+        (loss(model(x), y).sum() * 10).backward()
+        optimizer.step()
+        project_(model)
+
+
+def test_gnp_chain_has_equal_bounds():
+    """Bias-free chain of orthogonal square layers + GroupSort2 after BoundedInput: every Delta_d = L X_0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(BoundedInput(2.0), *[m for _ in range(3) for m in (LipschitzLinear(8, 8), GroupSort2())],
+                          LipschitzLinear(8, 8))  # fmt: skip
+    project_(model)
+    bounds = list(lipschitz_bounds(model, TauCrossEntropy()).values())
+    for b in bounds:
+        assert b == pytest.approx(math.sqrt(2) * 2.0, rel=5e-3)  # certified norms: within 0.1% of 1 each
+
+
+def test_projection_keeps_weights_orthonormal_and_bias_in_its_ball():
+    torch.manual_seed(0)
+    model = mlp()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    project_(model)
+    for m in model.modules():
+        if isinstance(m, LipschitzLinear):
+            s = torch.linalg.svdvals(m.weight)
+            assert (s - 1).abs().max() < 1e-3
+        if isinstance(m, AddBias):
+            assert m.bias.norm() <= 0.5 + 1e-6
+
+
+def test_layers_without_rules_are_refused():
+    model = nn.Sequential(BoundedInput(1.0), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="Linear has no Lipschitz bound rule"):
+        lipschitz_bounds(model, TauCrossEntropy())
+    with pytest.raises(ValueError, match="unbounded"):
+        lipschitz_bounds(nn.Sequential(LipschitzLinear(4, 4)), TauCrossEntropy())
+
+
+class ZeroLoss(LipschitzLoss):
+    lipschitz = math.sqrt(2.0)
+
+    def forward(self, logits, y):
+        return 0.0 * logits.sum(1)
+
+
+@pytest.mark.parametrize("strategy", ["per-layer", "global"])
+def test_clipless_adds_exactly_the_claimed_noise(strategy):
+    """Zero loss: each tensor's update is N(0, s_l^2) / (q N) with s_l = sigma sqrt(D) Delta_l (per-layer) or
+    sigma sqrt(sum Delta^2) (global); the accountant records sigma."""
+    torch.manual_seed(0)
+    model = nn.Sequential(BoundedInput(2.0), LipschitzLinear(300, 200), GroupSort2(), LipschitzLinear(200, 300))
+    sigma, q, n = 1.5, 0.1, 200
+    variant = Clipless(sigma, q, n, loss=ZeroLoss(), strategy=strategy, seed=4)
+    variant.gradient(model, Batch(torch.randn(8, 300), torch.zeros(8, dtype=torch.int64),
+                                  torch.ones(8, dtype=torch.bool)), step=0)  # fmt: skip
+    bounds = variant.last_bounds
+    for p, delta in zip(model.parameters(), bounds, strict=True):
+        if strategy == "per-layer":
+            expected = sigma * math.sqrt(2) * delta / (q * n)
+        else:
+            expected = sigma * math.sqrt(sum(b * b for b in bounds)) / (q * n)
+        noise = p.grad.reshape(-1).double()
+        assert abs(noise.std().item() - expected) < SIGMAS * expected / math.sqrt(2 * noise.numel())
+    assert variant.privacy_event() == (sigma, q)
+
+
+def test_clipless_trains_on_breast_cancer():
+    """Settings from a small sweep (AUROC 0.92 at epsilon 1, 2 seeds): expected batch 256, lr 0.1, tau 1."""
+    result = train(TrainConfig(variant="clipless", model="lipschitz_mlp", dataset="breast_cancer", epsilon=1.0,
+                               epochs=20, batch_size=256, lr=0.1, tau=1.0, hidden=32, quiet=True,
+                               progress=False))  # fmt: skip
+    assert result["epsilon"] <= 1.0
+    assert result["test_auroc"] > 0.85
+    assert all(b > 0 for b in result["variant_config"]["gradient_bounds"])
+
+
+def test_clipless_needs_a_lipschitz_model():
+    with pytest.raises(ValueError, match="lipschitz_mlp"):
+        train(TrainConfig(variant="clipless", model="mlp", epsilon=1.0, quiet=True, progress=False))
+
+
+# ---------------------------------------------------------------------------------------------- weight clipping
+
+
+def test_clip_projection_rescales_only_above_c_and_fixed_always():
+    torch.manual_seed(0)
+    small = LipschitzLinear(6, 5, projection="clip", max_norm=2.0)
+    with torch.no_grad():
+        small.weight.mul_(0.5)  # ||W|| = 0.5 < C
+    before = small.weight.detach().clone()
+    project_(small)
+    assert torch.equal(small.weight, before), "weights below C must be unchanged"
+    big = LipschitzLinear(6, 5, projection="clip", max_norm=2.0)
+    with torch.no_grad():
+        big.weight.copy_(7.0 * torch.randn(5, 6))  # distinct singular values: the singular vectors are unique
+    u_before = torch.linalg.svd(big.weight.detach())[0]
+    project_(big)
+    s = torch.linalg.svdvals(big.weight.detach())
+    assert s.max() <= 2.0 and s.max() > 2.0 * (1 - 1e-3)
+    torch.testing.assert_close(torch.linalg.svd(big.weight.detach())[0].abs(), u_before.abs(), atol=1e-4, rtol=0)
+    fixed = LipschitzLinear(6, 5, projection="fixed", max_norm=2.0)
+    with torch.no_grad():
+        fixed.weight.mul_(0.1)
+    project_(fixed)
+    assert torch.linalg.svdvals(fixed.weight.detach()).max() == pytest.approx(2.0, rel=1e-3)
+
+
+def test_weightclip_network_bounds_hold():
+    """Biased layers, ReLU, C > 1 (bounds grow with depth): per-example gradients stay within Delta_l."""
+    from fastdp.train.models import build_model
+
+    torch.manual_seed(2)
+    model = build_model("weightclip_mlp", (12,), 3, hidden=16, input_bound=2.0, max_weight_norm=1.7)
+    loss = TauCrossEntropy(2.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(4):
+        x = torch.cat([2.0 * torch.nn.functional.normalize(torch.randn(32, 12), dim=1), 50 * torch.randn(32, 12)])
+        y = torch.randint(0, 3, (64,))
+        bounds = lipschitz_bounds(model, loss)
+        for p, n in per_example_grad_norms(model, loss, x, y).items():
+            assert n.max() <= bounds[p] * (1 + 1e-5)
+        optimizer.zero_grad()
+        (loss(model(x), y).sum() * 10).backward()
+        optimizer.step()
+        project_(model)
+        for m in model.modules():
+            if isinstance(m, LipschitzLinear):
+                assert torch.linalg.svdvals(m.weight.detach()).max() <= 1.7 * (1 + 1e-6)
+
+
+def test_weightclip_trains_on_breast_cancer():
+    """papers/01 Table 1 setting (epsilon 1.672, delta 1/n); settings from a small sweep (2 seeds: accuracy 0.89,
+    the paper reports 0.798): Adam lr 0.01, C = 3, expected batch 64."""
+    result = train(TrainConfig(variant="weightclip", model="weightclip_mlp", dataset="breast_cancer", epsilon=1.672,
+                               delta=1 / 455, epochs=20, batch_size=64, optimizer="adam", lr=0.01, max_weight_norm=3.0,
+                               hidden=32, quiet=True, progress=False))  # fmt: skip
+    assert result["epsilon"] <= 1.672 and result["variant"] == "weightclip"
+    assert result["test_accuracy"] > 0.8

@@ -1,0 +1,223 @@
+"""fastdp spectral ops: power iteration, certified spectral-norm bounds, conv operator norms."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastdp.ops import certified_spectral_norm, certified_spectral_norms, conv_operator_norm, power_iteration
+from fastdp.ref import spectral as ref
+
+
+def _random(m, n, dtype=torch.float32, seed=0):
+    return torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def _with_singular_values(m, n, values, seed=0, dtype=torch.float64):
+    """A matrix [m, n] with the given leading singular values (the rest: linspace below them)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    q1, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
+    q2, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    s = torch.linspace(0.1, 0.5, k, dtype=torch.float64).flip(0)
+    s[: len(values)] = torch.tensor(values, dtype=torch.float64)
+    return ((q1[:, :k] * s) @ q2[:k, :]).to(dtype)
+
+
+def _top(w):
+    return torch.linalg.svdvals(w.double())[0]
+
+
+# ------------------------------------------------------------------------------ power iteration
+
+SHAPES = [(33, 20), (5, 70), (1, 9), (9, 1), (1, 1), (64, 64)]
+
+
+def test_power_iteration_matches_reference_and_converges(device_backend):
+    device, _ = device_backend
+    weights = [_random(m, n, seed=i).to(device) for i, (m, n) in enumerate(SHAPES)]
+    sigma, us, vs = power_iteration(weights, iters=8)
+    expected = ref.power_iteration([w.double().cpu() for w in weights], None, 8)
+    assert sigma.dtype == torch.float32 and sigma.shape == (len(SHAPES),)
+    torch.testing.assert_close(sigma.cpu().double(), expected[0], rtol=2e-5, atol=1e-6)
+    for i, (u, v) in enumerate(zip(us, vs, strict=True)):
+        assert u.shape == (SHAPES[i][1],) and v.shape == (SHAPES[i][0],)
+        torch.testing.assert_close(u.cpu().double(), expected[1][i], rtol=1e-4, atol=1e-4, msg=f"u[{i}]")
+        torch.testing.assert_close(v.cpu().double(), expected[2][i], rtol=1e-4, atol=1e-4, msg=f"v[{i}]")
+        # sigma_hat = v^T W u with the returned vectors
+        w = weights[i].double().cpu()
+        torch.testing.assert_close(
+            v.cpu().double() @ w @ u.cpu().double(), sigma[i].double().cpu(), rtol=1e-4, atol=1e-5
+        )
+    # Warm start from the returned vectors (the kernel path too).
+    sigma, _, _ = power_iteration(weights, us, iters=3)
+    expected = ref.power_iteration([w.double().cpu() for w in weights], [u.double().cpu() for u in us], 3)
+    torch.testing.assert_close(sigma.cpu().double(), expected[0], rtol=2e-5, atol=1e-6)
+
+
+def test_power_iteration_converges_to_svdvals():
+    weights = [_random(m, n, seed=i) for i, (m, n) in enumerate(SHAPES)]
+    sigma, _, _ = power_iteration(weights, iters=500)
+    true = torch.stack([_top(w) for w in weights])
+    torch.testing.assert_close(sigma.double(), true, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_power_iteration_never_exceeds_sigma_max(dtype, restore_backend):
+    for seed in range(5):
+        weights = [_random(20 + seed, 13, dtype, seed), _with_singular_values(8, 30, [1.0, 1 - 1e-6], seed).to(dtype)]
+        for iters in (1, 3, 10):
+            sigma, _, _ = power_iteration(weights, iters=iters)
+            assert sigma.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+            for i, w in enumerate(weights):
+                assert sigma[i].double() <= _top(w) * (1 + 1e-5), (seed, iters, i)
+
+
+def test_power_iteration_triton_bf16_and_mixed_dtypes(device_backend):
+    device, _ = device_backend
+    weights = [_random(17, 40, torch.bfloat16, 1).to(device), _random(40, 17, torch.float16, 2).to(device)]
+    sigma, us, vs = power_iteration(weights, iters=5)
+    expected = ref.power_iteration([w.double().cpu() for w in weights], None, 5)
+    torch.testing.assert_close(sigma.cpu().double(), expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_warm_start_converges_faster_than_cold():
+    w = _with_singular_values(60, 40, [1.0, 0.9], seed=3)
+    true = _top(w)
+    cold, _, _ = power_iteration([w], iters=3)
+    _, us, _ = power_iteration([w], iters=100)
+    w2 = w + 1e-3 * _random(60, 40, torch.float64, 9)  # a small optimiser step
+    warm, _, _ = power_iteration([w2], us, iters=3)
+    cold2, _, _ = power_iteration([w2], iters=3)
+    true2 = _top(w2)
+    assert true2 - warm[0] < 0.1 * (true2 - cold2[0])
+    assert true - cold[0] > 0
+
+
+def test_power_iteration_float64_and_zero_matrix(restore_backend):
+    sigma, us, vs = power_iteration([torch.zeros(4, 3, dtype=torch.float64), _random(6, 5, torch.float64)], iters=4)
+    assert sigma.dtype == torch.float64 and sigma[0] == 0 and torch.all(us[0] == 0)
+    assert torch.isfinite(sigma).all()
+
+
+def test_power_iteration_is_a_custom_op():
+    weights = [_random(6, 4), _random(3, 8)]
+    vectors = [torch.ones(4), torch.ones(8)]
+    torch.library.opcheck(torch.ops.fastdp.power_iteration.default, (weights, vectors, 3))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: power_iteration([]), "empty list"),
+        (lambda: power_iteration([torch.randn(3)]), "expected a 2-D matrix"),
+        (lambda: power_iteration([torch.randn(2, 3, 4)]), "expected a 2-D matrix"),
+        (lambda: power_iteration([torch.randn(3, 3)], iters=0), "must be >= 1"),
+        (lambda: power_iteration([torch.full((3, 3), float("nan"))]), "NaN or Inf"),
+        (lambda: power_iteration([torch.randn(3, 3)], [torch.ones(4)]), "columns"),
+        (lambda: power_iteration([torch.randn(3, 3)], [torch.ones(3), torch.ones(3)]), "one per matrix"),
+        (lambda: power_iteration([torch.zeros(0, 3)]), "non-empty"),
+        (lambda: certified_spectral_norm(torch.randn(3)), "expected a 2-D matrix"),
+        (lambda: certified_spectral_norm(torch.randn(3, 3), iters=0), "must be >= 1"),
+        (lambda: certified_spectral_norm(torch.tensor([[float("inf")]])), "NaN or Inf"),
+        (lambda: certified_spectral_norms([]), "empty list"),
+        (lambda: conv_operator_norm(torch.randn(3, 3), (3, 4, 4)), "conv2d kernel"),
+        (lambda: conv_operator_norm(torch.randn(2, 3, 3, 3), (2, 4, 4)), "channels"),
+        (lambda: conv_operator_norm(torch.randn(2, 3, 3, 3), (3, 2, 2)), "empty output"),
+        (lambda: conv_operator_norm(torch.randn(2, 3, 3, 3), (3, 4, 4), iters=0), "must be >= 1"),
+    ],
+)
+def test_bad_inputs_are_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ------------------------------------------------------------------------------ certified bound
+
+CERT_SHAPES = [(30, 30), (50, 7), (7, 50), (1, 40), (40, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", CERT_SHAPES)
+def test_certified_bound_is_above_and_close(shape, dtype):
+    for seed in range(3):
+        w = _random(*shape, dtype, seed) * 10.0**seed
+        bound = certified_spectral_norm(w)
+        assert bound.dtype == dtype and bound.dim() == 0
+        true = torch.linalg.svdvals(w)[0]  # in w's dtype, as a user would check it
+        assert bound >= true and bound.double() >= _top(w), (shape, seed)
+        assert bound.double() <= _top(w) * 1.03, (shape, seed, float(bound), float(_top(w)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_certified_bound_adversarial_spectra(dtype):
+    cases = {
+        "rank-1": (torch.arange(1, 9, dtype=torch.float64)[:, None] * torch.linspace(-1, 2, 13, dtype=torch.float64)),
+        "near-degenerate top pair": _with_singular_values(24, 16, [1.0, 1 - 1e-6], seed=4),
+        "flat spectrum": _with_singular_values(16, 16, [1.0] * 16, seed=5),
+        "tiny": _random(5, 4, torch.float64, 6) * 1e-30,
+        "huge": _random(5, 4, torch.float64, 7) * 1e30,
+    }
+    for name, w in cases.items():
+        w = w.to(dtype)
+        bound = certified_spectral_norm(w)
+        assert bound.double() >= _top(w), name
+        assert bound >= torch.linalg.svdvals(w)[0], name
+    assert certified_spectral_norm(torch.zeros(3, 5)) == 0
+
+
+def test_certified_bound_tightens_with_iterations():
+    w = _random(40, 30, torch.float64, 11)
+    bounds = [float(certified_spectral_norm(w, iters=t)) for t in (1, 2, 4, 8)]
+    assert bounds == sorted(bounds, reverse=True)
+    assert bounds[-1] >= float(_top(w)) and bounds[-1] <= float(_top(w)) * (1 + 1e-6)
+
+
+def test_certified_spectral_norms_list():
+    weights = [_random(5, 3), _random(2, 9, torch.float64, 1), _random(4, 4, torch.bfloat16, 2)]
+    bounds = certified_spectral_norms(weights)
+    assert bounds.shape == (3,) and bounds.dtype == torch.float64
+    for i, w in enumerate(weights):
+        assert bounds[i] == certified_spectral_norm(w).double()
+
+
+# ------------------------------------------------------------------------------ conv operator norm
+
+
+def _dense_conv_svd(weight, input_shape, stride, padding, dilation=1, groups=1):
+    """(largest singular value, its right singular vector) of the dense matrix of x -> conv2d(x)."""
+    numel = input_shape[0] * input_shape[1] * input_shape[2]
+    basis = torch.eye(numel, dtype=torch.float64).reshape(numel, *input_shape)
+    columns = F.conv2d(basis, weight.double(), None, stride, padding, dilation, groups).reshape(numel, -1)
+    _, s, vh = torch.linalg.svd(columns.T)
+    return s[0], vh[0].reshape(input_shape)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("padding", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_conv_operator_norm_matches_dense_svd(stride, padding, dtype):
+    gen = torch.Generator().manual_seed(stride * 10 + padding)
+    weight = torch.randn(4, 3, 3, 3, generator=gen, dtype=torch.float64).to(dtype)
+    shape = (3, 7, 6)
+    exact, top = _dense_conv_svd(weight, shape, stride, padding)
+    sigma, x = conv_operator_norm(weight, shape, stride=stride, padding=padding, iters=60)
+    assert x.shape == shape and sigma.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert sigma.double() <= exact * (1 + 1e-5)
+    torch.testing.assert_close(sigma.double(), exact, rtol=1e-2, atol=0)  # cold start: gap-limited
+    # Started from the exact top singular vector, the map and its adjoint reproduce sigma_max.
+    warm, x = conv_operator_norm(weight, shape, stride=stride, padding=padding, iters=2, vector=top.to(dtype))
+    rtol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(warm.double(), exact, rtol=rtol, atol=0)
+    assert abs(float((x.double() * top).sum())) > 1 - 1e-4
+
+
+def test_conv_operator_norm_dilation_groups():
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(4, 2, 2, 3, generator=gen, dtype=torch.float64)
+    shape = (4, 6, 7)
+    exact, top = _dense_conv_svd(weight, shape, (2, 1), (1, 0), (2, 1), 2)
+    kwargs = dict(stride=(2, 1), padding=(1, 0), dilation=(2, 1), groups=2)
+    sigma, _ = conv_operator_norm(weight, shape, iters=2, vector=top, **kwargs)
+    torch.testing.assert_close(sigma, exact, rtol=1e-10, atol=0)
+    cold, _ = conv_operator_norm(weight, shape, iters=30, **kwargs)
+    assert cold <= exact * (1 + 1e-12)
