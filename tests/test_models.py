@@ -74,7 +74,8 @@ def test_per_example_grads_vmap(case):
 
 
 def test_unknown_model():
-    with pytest.raises(ValueError, match="available: auto, cnn, linear, lipschitz_mlp, mlp, opacus_cnn, weightclip_mlp"):
+    names = "auto, cnn, linear, lipschitz_mlp, mlp, opacus_cnn, weightclip_mlp"
+    with pytest.raises(ValueError, match=f"available: {names}"):
         build_model("resnet", (30,), 2)
     assert set(MODELS) == {"auto", "cnn", "linear", "lipschitz_mlp", "mlp", "opacus_cnn", "weightclip_mlp"}
 
