@@ -13,10 +13,13 @@ from fastdp.nn.lipschitz import (
     BoundedInput,
     ClipGradient,
     GroupSort2,
+    L2NormPool2d,
     LayerCentering,
+    LipschitzConv2d,
     LipschitzLinear,
     LipschitzLoss,
     MulticlassHinge,
+    MulticlassHKR,
     MulticlassKR,
     Residual,
     TauCrossEntropy,
@@ -53,8 +56,10 @@ def mlp(d=12, hidden=16, classes=4, bound=3.0, bias=True, residual=True, clip=No
 
 
 @pytest.mark.parametrize(
-    "loss", [TauCrossEntropy(0.01), TauCrossEntropy(1.0), TauCrossEntropy(50.0), MulticlassKR(), MulticlassHinge(1.0)]
-)
+    "loss",
+    [TauCrossEntropy(0.01), TauCrossEntropy(1.0), TauCrossEntropy(50.0), MulticlassKR(), MulticlassHinge(1.0),
+     MulticlassHKR(5.0)],
+)  # fmt: skip
 def test_loss_lipschitz_constants_hold_at_extreme_logits(loss):
     torch.manual_seed(0)
     for scale in (1e-3, 1.0, 1e3):
@@ -234,3 +239,41 @@ def test_weightclip_trains_on_breast_cancer():
                                hidden=32, quiet=True, progress=False))  # fmt: skip
     assert result["epsilon"] <= 1.672 and result["variant"] == "weightclip"
     assert result["test_accuracy"] > 0.8
+
+
+# ------------------------------------------------------------------------------------------------ convolutions
+
+
+def test_conv_factor_covers_the_exact_operator_norm():
+    """papers/00 P3: the constant 3x3 kernel after RKO has operator norm > 1 on 32x32; the certified factor used
+    in the bounds is >= the exact norm."""
+    from fastdp.ops import conv_operator_norm
+
+    layer = LipschitzConv2d(1, 1, 3, input_hw=(32, 32), padding=1)
+    with torch.no_grad():
+        layer.weight.fill_(1.0 / 3.0)
+        layer.project_()
+    exact, _ = conv_operator_norm(layer.weight.detach().double(), (1, 32, 32), padding=(1, 1), iters=300)
+    assert exact > 1.0
+    assert layer._factor() >= float(exact)
+
+
+def test_cnn_bounds_hold():
+    torch.manual_seed(3)
+    model = nn.Sequential(
+        BoundedInput(4.0), LipschitzConv2d(1, 4, 3, input_hw=(8, 8), padding=1), GroupSort2(), L2NormPool2d(2),
+        LipschitzConv2d(4, 8, 3, input_hw=(4, 4), stride=2, padding=1), GroupSort2(), nn.Flatten(),
+        LipschitzLinear(32, 5),
+    )  # fmt: skip
+    loss = TauCrossEntropy(3.0)
+    x = torch.cat([4.0 * torch.nn.functional.normalize(torch.randn(16, 64), dim=1), 30 * torch.randn(16, 64)])
+    x = x.reshape(32, 1, 8, 8)
+    y = torch.randint(0, 5, (32,))
+    bounds = lipschitz_bounds(model, loss)
+    for p, n in per_example_grad_norms(model, loss, x, y).items():
+        assert n.max() <= bounds[p] * (1 + 1e-5)
+
+
+def test_l2_norm_pooling_preserves_norm():
+    x = torch.randn(3, 2, 6, 6)
+    torch.testing.assert_close(L2NormPool2d(2)(x).flatten(1).norm(dim=1), x.flatten(1).norm(dim=1))
