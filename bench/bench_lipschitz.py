@@ -10,7 +10,7 @@ Cases: square matrices n in {64, 256, 1024} (and 4096 on GPU), one matrix per ca
 * ``fastdp-triton`` — the Triton kernels (GPU only: the interpreter is a test vehicle).
 
 Reports the median time (p20, p80) in ms and the speedup over the baseline. Results are
-appended to bench/results/<device>_lipschitz.csv unless ``--out`` is given.
+appended to bench/results/<device>-lipschitz.csv unless ``--out`` is given.
 
     python bench/bench_lipschitz.py
     python bench/bench_lipschitz.py --out /tmp/lipschitz.csv --repeats 3
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     fastdp.set_backend(previous)
-    harness.write_rows(rows, args.out, f"{device_name}_lipschitz")
+    harness.write_rows(rows, args.out, f"{device_name}-lipschitz")
     return 0
 
 

@@ -5,7 +5,7 @@ GPT-2-small-like transformer (148 tensors). Two ops: ``noise`` (g += s * N(0, 1)
 and ``noise+update`` (p -= lr * (g + s * N(0, 1)) / scale). Reports the median time
 (p20, p80), achieved GB/s (bytes each op must move: noise reads and writes g; the fused
 step reads g and p and writes p), the share of the device's measured copy bandwidth,
-and the ratio to the eager loop. Results are appended to bench/results/<device>.csv.
+and the ratio to the eager loop. Results are appended to bench/results/<device>-noise.csv.
 
     python bench/bench_noise.py                 # all providers that run here
     python bench/bench_noise.py --models resnet18 --repeats 5
@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per provider on CPU")
-    parser.add_argument("--out", type=Path, default=None, help="CSV to append to (default bench/results/<device>.csv)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="CSV to append to (default bench/results/<device>-noise.csv)"
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
     fastdp.set_backend(previous)
-    harness.write_rows(rows, args.out, device_name)
+    harness.write_rows(rows, args.out, f"{device_name}-noise")
     return 0
 
 

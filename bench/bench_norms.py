@@ -11,7 +11,7 @@ time (p20, p80), achieved GFLOP/s with the ghost-norm count
 (the kernels use symmetry and do about half of it: the figure is the rate of the naive
 algorithm they replace), the share of the device's measured matmul rate in that dtype,
 and the speedup over the reference. Results are appended to
-bench/results/<device>_norms.csv (long format).
+bench/results/<device>-norms.csv (long format).
 
     python bench/bench_norms.py                       # all providers that run here
     python bench/bench_norms.py --dtypes float32 bfloat16 --repeats 5
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     fastdp.set_backend(previous)
-    harness.write_rows(rows, args.out, f"{device_name}_norms")
+    harness.write_rows(rows, args.out, f"{device_name}-norms")
     return 0
 
 
