@@ -23,6 +23,7 @@ from fastdp.nn.lipschitz import (
     MulticlassKR,
     Residual,
     TauCrossEntropy,
+    Transpose,
     lipschitz_bounds,
     project_,
 )
@@ -277,3 +278,28 @@ def test_cnn_bounds_hold():
 def test_l2_norm_pooling_preserves_norm():
     x = torch.randn(3, 2, 6, 6)
     torch.testing.assert_close(L2NormPool2d(2)(x).flatten(1).norm(dim=1), x.flatten(1).norm(dim=1))
+
+
+def test_mlp_mixer_bounds_hold():
+    """Token mixing and channel mixing with token-wise LipschitzLinear layers on [B, T, C]."""
+    torch.manual_seed(4)
+    tokens, channels = 6, 8
+    model = nn.Sequential(
+        BoundedInput(3.0),
+        Transpose(1, 2), LipschitzLinear(tokens, tokens), GroupSort2(), Transpose(1, 2),
+        Residual(LipschitzLinear(channels, channels), GroupSort2(), LayerCentering()),
+        nn.Flatten(), LipschitzLinear(tokens * channels, 4),
+    )  # fmt: skip
+    loss = MulticlassHKR(3.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    for _ in range(3):
+        x = torch.cat([3.0 * torch.nn.functional.normalize(torch.randn(16, 48), dim=1), 20 * torch.randn(16, 48)])
+        x = x.reshape(32, tokens, channels)
+        y = torch.randint(0, 4, (32,))
+        bounds = lipschitz_bounds(model, loss)
+        for p, n in per_example_grad_norms(model, loss, x, y).items():
+            assert n.max() <= bounds[p] * (1 + 1e-5)
+        optimizer.zero_grad()
+        loss(model(x), y).sum().backward()
+        optimizer.step()
+        project_(model)

@@ -39,6 +39,7 @@ __all__ = [
     "MulticlassKR",
     "Residual",
     "TauCrossEntropy",
+    "Transpose",
     "lipschitz_bounds",
     "project_",
 ]
@@ -260,6 +261,19 @@ class GroupSort2(LipschitzModule):
         return torch.cat([torch.minimum(a, b), torch.maximum(a, b)], dim=-1)
 
 
+class Transpose(LipschitzModule):
+    """Swaps two non-batch dimensions (e.g. tokens and channels in an MLP-Mixer): norm preserving."""
+
+    def __init__(self, dim0: int, dim1: int) -> None:
+        super().__init__()
+        if 0 in (dim0, dim1):
+            raise ValueError("Transpose must not move the batch dimension 0")
+        self.dim0, self.dim1 = dim0, dim1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(self.dim0, self.dim1)
+
+
 class LayerCentering(LipschitzModule):
     """x - mean(x) over the last dimension: singular values {0, 1, ..., 1}, so 1-Lipschitz and ||y|| <= ||x||."""
 
@@ -397,7 +411,7 @@ class MulticlassHinge(LipschitzLoss):
         self.margin = float(margin)
 
     def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        signs = -torch.ones_like(logits).scatter_(1, y.unsqueeze(1), 1.0)
+        signs = 2.0 * F.one_hot(y, logits.shape[1]).to(logits.dtype) - 1.0
         return F.relu(self.margin / 2 - signs * logits).mean(1)
 
 
@@ -419,7 +433,7 @@ def _check(layer: nn.Module) -> None:
     raise ValueError(
         f"{type(layer).__name__} has no Lipschitz bound rule; clipless training needs every layer to have one "
         "(fastdp.nn.lipschitz: BoundedInput, LipschitzLinear, LipschitzConv2d, AddBias, GroupSort2, L2NormPool2d, "
-        "LayerCentering, Residual, ClipGradient; plus Flatten, Identity, ReLU)"
+        "LayerCentering, Transpose, Residual, ClipGradient; plus Flatten, Identity, ReLU)"
     )
 
 
