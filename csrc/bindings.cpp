@@ -18,6 +18,8 @@
 
 #include "cuda/noise.h"
 #include "cuda/norms.h"
+#include "cuda/orthogonal.h"
+#include "cuda/spectral.h"
 #endif
 
 namespace fastdp {
@@ -185,6 +187,104 @@ std::tuple<at::Tensor, at::Tensor> clip_factors(const at::Tensor& sq_norms, doub
 #endif
 }
 
+#ifdef FASTDP_WITH_CUDA
+// Element kind of a spectral/orthogonal kernel input (fp32, fp16, bf16; float64 runs the reference).
+ScalarKind matrix_scalar_kind(const char* op, const at::Tensor& t, size_t index) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ScalarKind::kFloat32;
+    case at::kHalf: return ScalarKind::kFloat16;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default:
+      TORCH_CHECK(false, "fastdp ", op, ": matrix ", index, " must be float32, float16 or bfloat16, got ",
+                  t.scalar_type(), " (float64 runs the torch reference)");
+  }
+}
+
+// `iters` power-iteration steps on every weights[l] [m_l, n_l] (CUDA, one device, contiguous,
+// fp32/fp16/bf16, mixed allowed) from vectors[l] [n_l] (fp32, contiguous, any scale), in one
+// launch (csrc/include/fastdp/spectral.h). Returns (sigma_hat fp32 [L], u list [n_l], v list [m_l]).
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> power_iteration_cuda(
+    const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& vectors, int64_t iters) {
+  const size_t count = weights.size();
+  TORCH_CHECK(count > 0, "fastdp power_iteration_cuda: weights is empty; pass at least one matrix");
+  TORCH_CHECK(vectors.size() == count, "fastdp power_iteration_cuda: ", vectors.size(), " vectors for ", count,
+              " weights; pass one start vector per matrix");
+  TORCH_CHECK(iters >= 1 && iters <= 0x7fffffffLL, "fastdp power_iteration_cuda: iters must be in [1, 2^31), got ",
+              iters);
+  const at::Device device = weights[0].device();
+  TORCH_CHECK(device.is_cuda(), "fastdp power_iteration_cuda: weights must be CUDA tensors, got ", device);
+  const c10::cuda::CUDAGuard guard(device);
+  const at::TensorOptions f32 = weights[0].options().dtype(at::kFloat);
+  std::vector<PowerIterMatrix> table(count);
+  std::vector<at::Tensor> us, vs;
+  us.reserve(count);
+  vs.reserve(count);
+  at::Tensor sigma = at::empty({static_cast<int64_t>(count)}, f32);
+  for (size_t l = 0; l < count; ++l) {
+    const at::Tensor& w = weights[l];
+    const at::Tensor& u = vectors[l];
+    TORCH_CHECK(w.dim() == 2 && w.numel() > 0, "fastdp power_iteration_cuda: weights[", l,
+                "] must be a non-empty 2-D matrix, got shape ", w.sizes());
+    TORCH_CHECK(w.device() == device, "fastdp power_iteration_cuda: weights[", l, "] is on ", w.device(),
+                " but weights[0] on ", device);
+    TORCH_CHECK(w.is_contiguous(), "fastdp power_iteration_cuda: weights[", l, "] is not contiguous");
+    const ScalarKind kind = matrix_scalar_kind("power_iteration_cuda", w, l);
+    const int64_t m = w.size(0), n = w.size(1);
+    TORCH_CHECK(u.device() == device, "fastdp power_iteration_cuda: vectors[", l, "] is on ", u.device(),
+                " but weights[", l, "] on ", device);
+    TORCH_CHECK(u.scalar_type() == at::kFloat, "fastdp power_iteration_cuda: vectors[", l,
+                "] must be float32, got ", u.scalar_type());
+    TORCH_CHECK(u.is_contiguous() && u.numel() == n, "fastdp power_iteration_cuda: vectors[", l,
+                "] must be contiguous with ", n, " elements (the columns of weights[", l, "]), got ", u.sizes());
+    us.push_back(at::empty({n}, f32));
+    vs.push_back(at::empty({m}, f32));
+    table[l] = PowerIterMatrix{w.data_ptr(), u.data_ptr<float>(), us.back().data_ptr<float>(),
+                               vs.back().data_ptr<float>(), sigma.data_ptr<float>() + l, m, n, kind};
+  }
+  const size_t table_bytes = count * sizeof(PowerIterMatrix);
+  at::Tensor host = at::empty({static_cast<int64_t>(table_bytes)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), table.data(), table_bytes);
+  at::Tensor dev = host.to(device, /*non_blocking=*/true);  // stream-ordered before the launch
+  const cudaError_t err =
+      launch_power_iteration_cuda(reinterpret_cast<const PowerIterMatrix*>(dev.data_ptr()),
+                                  static_cast<int64_t>(count), static_cast<int32_t>(iters),
+                                  at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "fastdp power_iteration_cuda: CUDA launch failed: ", cudaGetErrorString(err));
+  return {sigma, us, vs};
+}
+
+// `iters` Björck steps W <- (1 + beta) W - beta W (W^T W) on one matrix w [m, n] (CUDA,
+// contiguous, non-empty, fp32/fp16/bf16), fp32 math, with the smaller Gram matrix (a wide w is
+// transposed first, as the reference and the Triton path). Returns a new contiguous matrix of
+// w's shape and dtype.
+at::Tensor bjorck_cuda(const at::Tensor& w, int64_t iters, double beta) {
+  TORCH_CHECK(w.dim() == 2 && w.numel() > 0, "fastdp bjorck_cuda: w must be a non-empty 2-D matrix, got shape ",
+              w.sizes());
+  TORCH_CHECK(w.device().is_cuda(), "fastdp bjorck_cuda: w must be a CUDA tensor, got ", w.device());
+  TORCH_CHECK(w.is_contiguous(), "fastdp bjorck_cuda: w is not contiguous");
+  matrix_scalar_kind("bjorck_cuda", w, 0);
+  TORCH_CHECK(iters >= 1 && iters <= 0x7fffffffLL, "fastdp bjorck_cuda: iters must be in [1, 2^31), got ", iters);
+  TORCH_CHECK(std::isfinite(beta) && beta > 0 && beta <= 1, "fastdp bjorck_cuda: beta must be in (0, 1], got ", beta);
+  const c10::cuda::CUDAGuard guard(w.device());
+  const bool wide = w.size(0) < w.size(1);
+  const at::Tensor x = wide ? w.t() : w;  // [m, n], m >= n
+  const int64_t m = x.size(0), n = x.size(1);
+  const at::TensorOptions f32 = w.options().dtype(at::kFloat);
+  at::Tensor buf = at::empty({2, m, n}, f32);
+  buf[0].copy_(x);
+  at::Tensor gram = at::empty({n, n}, f32);  // workspace
+  const cudaError_t err = launch_bjorck_cuda(buf.data_ptr<float>(), gram.data_ptr<float>(), m, n,
+                                             static_cast<int32_t>(iters), static_cast<float>(beta),
+                                             at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "fastdp bjorck_cuda: CUDA launch failed: ", cudaGetErrorString(err));
+  const at::Tensor result = buf[iters % 2];
+  at::Tensor out = at::empty(w.sizes(), w.options());
+  out.copy_(wide ? result.t() : result);
+  return out;
+}
+#endif
+
 bool has_cuda() {
 #ifdef FASTDP_WITH_CUDA
   return true;
@@ -205,5 +305,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("a"), py::arg("g"));
   m.def("clip_factors", &fastdp::clip_factors, "Per-example norms and DP-SGD clip factors from [L, B] squared norms",
         py::arg("sq_norms"), py::arg("clip_norm"));
+#ifdef FASTDP_WITH_CUDA
+  m.def("power_iteration_cuda", &fastdp::power_iteration_cuda,
+        "Batched power iteration on CUDA matrices in one launch: (sigma_hat, u list, v list)",
+        py::arg("weights"), py::arg("vectors"), py::arg("iters"));
+  m.def("bjorck_cuda", &fastdp::bjorck_cuda, "Bjorck orthonormalisation of one CUDA matrix (fp32 math)",
+        py::arg("w"), py::arg("iters"), py::arg("beta"));
+#endif
   m.def("has_cuda", &fastdp::has_cuda, "Whether this build has the CUDA kernels");
 }

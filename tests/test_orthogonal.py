@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+import fastdp
+import fastdp._ext
 from fastdp.ops import bjorck_orthonormalize, conv_lip_factor, rko_orthonormalize, spectral_normalize_and_orthonormalize
 from fastdp.ref import orthogonal as ref
 
@@ -135,3 +137,49 @@ def test_rko_reshaped_kernel_is_scaled_orthonormal(shape, stride):
 def test_bad_inputs_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ------------------------------------------------------------------------------ CUDA kernel (csrc/cuda/orthogonal.cu)
+
+needs_cuda_kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fastdp._ext.has_cuda_kernels()),
+    reason="needs a CUDA device and fastdp._C built with its CUDA kernels",
+)
+
+CUDA_SHAPES = [(1, 1), (1, 9), (9, 1), (64, 64), (65, 63), (130, 70), (70, 130), (300, 17), (17, 300)]
+
+
+@pytest.mark.cuda
+@needs_cuda_kernels
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+def test_bjorck_cuda_kernel_matches_reference(shape, restore_backend):
+    fastdp.set_backend("cuda")
+    w = _conditioned(*shape, seed=sum(shape)).cuda()
+    for iters in (1, 2, 15):  # odd and even step counts: the result lies in either ping-pong buffer
+        out = bjorck_orthonormalize([w], iters=iters)[0]
+        assert out.shape == w.shape and out.dtype == w.dtype and out.is_cuda and out.is_contiguous()
+        expected = ref.bjorck_orthonormalize([w.double().cpu()], iters=iters)[0]
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=2e-5, msg=f"{shape}, {iters} steps")
+        assert torch.equal(fastdp._ext._C.bjorck_cuda(w, iters, 0.5), out)
+    assert _max_deviation_from_one(out.cpu()) < 1e-3
+
+
+@pytest.mark.cuda
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bjorck_cuda_kernel_low_precision_non_contiguous_and_list(dtype, restore_backend):
+    fastdp.set_backend("cuda")
+    wide = torch.zeros(40, 90, device="cuda", dtype=dtype)
+    wide[:, 5:35] = _conditioned(40, 30, seed=1).to(dtype).cuda()
+    sliced = wide[:, 5:35]  # a non-contiguous slice of a wider buffer
+    weights = [sliced, _conditioned(20, 70, seed=2, dtype=dtype).cuda(), _conditioned(5, 3, seed=3).double().cuda()]
+    out = bjorck_orthonormalize(weights, iters=20, beta=0.4)
+    for o, w in zip(out, weights, strict=True):
+        assert o.shape == w.shape and o.dtype == w.dtype
+        expected = ref.bjorck_orthonormalize([w.cpu().to(ref.accumulation_dtype(w.dtype))], iters=20, beta=0.4)[0]
+        tol = dict(rtol=1e-10, atol=1e-10) if w.dtype == torch.float64 else dict(rtol=1.6e-2, atol=1.6e-2)
+        torch.testing.assert_close(o.cpu().to(expected.dtype), expected.to(w.dtype).to(expected.dtype), **tol)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        fastdp._ext._C.bjorck_cuda(sliced, 3, 0.5)
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        fastdp._ext._C.bjorck_cuda(weights[2], 3, 0.5)

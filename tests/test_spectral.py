@@ -4,6 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fastdp
+import fastdp._ext
 from fastdp.ops import certified_spectral_norm, certified_spectral_norms, conv_operator_norm, power_iteration
 from fastdp.ref import spectral as ref
 
@@ -221,3 +223,67 @@ def test_conv_operator_norm_dilation_groups():
     torch.testing.assert_close(sigma, exact, rtol=1e-10, atol=0)
     cold, _ = conv_operator_norm(weight, shape, iters=30, **kwargs)
     assert cold <= exact * (1 + 1e-12)
+
+
+# ------------------------------------------------------------------------------ CUDA kernel (csrc/cuda/spectral.cu)
+
+needs_cuda_kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fastdp._ext.has_cuda_kernels()),
+    reason="needs a CUDA device and fastdp._C built with its CUDA kernels",
+)
+
+CUDA_SHAPES = [(1, 1), (1, 300), (300, 1), (33, 20), (5, 70), (129, 257), (1000, 3), (3, 1000), (64, 64)]
+
+
+@pytest.mark.cuda
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_power_iteration_cuda_kernel_matches_reference(dtype, restore_backend):
+    fastdp.set_backend("cuda")
+    weights = [_random(m, n, dtype, seed=i).cuda() for i, (m, n) in enumerate(CUDA_SHAPES)]
+    gen = torch.Generator().manual_seed(7)
+    warm = [3.0 * torch.randn(n, generator=gen) for _, n in CUDA_SHAPES]  # any scale: normalised first
+    for vectors in (None, warm):
+        for iters in (1, 7):
+            given = None if vectors is None else [u.cuda() for u in vectors]
+            sigma, us, vs = power_iteration(weights, given, iters=iters)
+            expected = ref.power_iteration(
+                [w.double().cpu() for w in weights], None if vectors is None else [u.double() for u in vectors], iters
+            )
+            assert sigma.dtype == torch.float32 and sigma.is_cuda
+            torch.testing.assert_close(sigma.cpu().double(), expected[0], rtol=2e-5, atol=1e-6)
+            for i, (u, v) in enumerate(zip(us, vs, strict=True)):
+                assert u.shape == (CUDA_SHAPES[i][1],) and v.shape == (CUDA_SHAPES[i][0],)
+                assert u.dtype == torch.float32 and v.dtype == torch.float32
+                msg = f"shape {CUDA_SHAPES[i]}, iters {iters}, warm {vectors is not None}"
+                torch.testing.assert_close(u.cpu().double(), expected[1][i], rtol=1e-4, atol=1e-4, msg=msg)
+                torch.testing.assert_close(v.cpu().double(), expected[2][i], rtol=1e-4, atol=1e-4, msg=msg)
+            if given is not None:  # the start vectors are read, never written
+                for u, u0 in zip(given, vectors, strict=True):
+                    assert torch.equal(u.cpu(), u0)
+
+
+@pytest.mark.cuda
+@needs_cuda_kernels
+def test_power_iteration_cuda_kernel_mixed_dtypes_zero_matrix_and_binding(restore_backend):
+    fastdp.set_backend("cuda")
+    weights = [
+        _random(17, 40, torch.bfloat16, 1).cuda(),
+        torch.zeros(4, 3, device="cuda"),
+        _random(40, 17, torch.float16, 2).cuda(),
+        _random(6, 5, torch.float32, 3).cuda(),
+    ]
+    sigma, us, vs = power_iteration(weights, iters=5)
+    expected = ref.power_iteration([w.double().cpu() for w in weights], None, 5)
+    torch.testing.assert_close(sigma.cpu().double(), expected[0], rtol=2e-5, atol=1e-6)
+    assert sigma[1] == 0 and torch.all(us[1] == 0) and torch.all(vs[1] == 0)
+    # The binding directly: one launch, same results; outputs are fresh tensors.
+    starts = [ref.default_start(w.shape[1], torch.float32, w.device) for w in weights]
+    direct = fastdp._ext._C.power_iteration_cuda(weights, starts, 5)
+    assert torch.equal(direct[0], sigma)
+    for a, b in zip(direct[1] + direct[2], us + vs, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="float32"):
+        fastdp._ext._C.power_iteration_cuda(weights, [s.double() for s in starts], 5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        fastdp._ext._C.power_iteration_cuda([weights[0].T], [starts[0][:17].clone()], 5)

@@ -411,7 +411,8 @@ class MulticlassHinge(LipschitzLoss):
         self.margin = float(margin)
 
     def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        signs = 2.0 * F.one_hot(y, logits.shape[1]).to(logits.dtype) - 1.0
+        true = torch.arange(logits.shape[1], device=logits.device) == y.unsqueeze(1)
+        signs = 2.0 * true.to(logits.dtype) - 1.0
         return F.relu(self.margin / 2 - signs * logits).mean(1)
 
 

@@ -13,8 +13,10 @@ iteration counts >= 1); the finiteness check costs one device synchronisation pe
 (``fastdp.ops.spectral.CHECK_FINITE = False`` skips it).
 
 Backends: ``fastdp._backend.select("orthogonal", device)``; ``triton`` runs
-``fastdp.kernels.orthogonal`` (one fused program per matrix, per-matrix launches), float64
-always runs the reference, and there are no csrc kernels yet (``cuda`` runs the reference).
+``fastdp.kernels.orthogonal`` (one fused program per matrix, per-matrix launches); ``cuda``
+runs ``fastdp._C.bjorck_cuda`` (csrc/cuda/orthogonal.cu: Gram then fused update, two
+launches per step and matrix) on CUDA tensors and the reference on CPU tensors (no
+csrc/cpu kernel); float64 always runs the reference.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 
 import torch
 
-from fastdp import _backend
+from fastdp import _backend, _ext
 from fastdp.ops import spectral as spectral_ops
 from fastdp.ref import orthogonal as ref
 
@@ -53,6 +55,13 @@ def _bjorck_op(weights: list[torch.Tensor], iters: int, beta: float) -> list[tor
 
             return [
                 triton_orthogonal.bjorck_orthonormalize(w, iters, beta)
+                if w.dtype in _KERNEL_DTYPES
+                else ref.bjorck_orthonormalize([w], iters, beta)[0]
+                for w in weights
+            ]
+        if backend == "cuda" and weights[0].device.type == "cuda" and _ext.has_cuda_kernels():
+            return [
+                _ext._C.bjorck_cuda(w.contiguous(), iters, beta)
                 if w.dtype in _KERNEL_DTYPES
                 else ref.bjorck_orthonormalize([w], iters, beta)[0]
                 for w in weights

@@ -15,8 +15,10 @@ per call; set ``fastdp.ops.spectral.CHECK_FINITE = False`` to skip it (non-finit
 then give NaN estimates).
 
 Backends: ``fastdp._backend.select("spectral", device)``; ``triton`` runs
-``fastdp.kernels.spectral`` (one launch over all layers), float64 always runs the
-reference, and there are no csrc kernels yet (``cuda`` runs the reference).
+``fastdp.kernels.spectral`` (one launch over all layers); ``cuda`` runs
+``fastdp._C.power_iteration_cuda`` (csrc/cuda/spectral.cu, one launch over all layers) on
+CUDA tensors and the reference on CPU tensors (no csrc/cpu kernel); float64 always runs
+the reference.
 ``certified_spectral_norm(s)`` and ``conv_operator_norm`` are torch only.
 """
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdp import _backend
+from fastdp import _backend, _ext
 from fastdp.ref import spectral as ref
 
 __all__ = [
@@ -114,6 +116,13 @@ def _power_iteration_op(
             from fastdp.kernels import spectral as triton_spectral
 
             return triton_spectral.power_iteration(list(weights), list(vectors), iters)
+        if backend == "cuda" and kernel_ok and weights[0].device.type == "cuda" and _ext.has_cuda_kernels():
+            device = weights[0].device
+            return _ext._C.power_iteration_cuda(
+                [w.contiguous() for w in weights],
+                [u.to(device=device, dtype=torch.float32).reshape(-1).contiguous() for u in vectors],
+                iters,
+            )
         return ref.power_iteration(list(weights), list(vectors), iters)
 
 
