@@ -12,7 +12,6 @@ bench/results/<device>-clipless.csv.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
@@ -67,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     batches = args.batches or ([256, 1024] if device.type == "cpu" else [256, 1024, 4096, 16384, 50000])
     measure = harness.timer(device, args.repeats, warmup=1)
-    device_name = harness.device_name(device)
+    info = harness.run_info(device)
+    device_name = info["device"]
     params = sum(p.numel() for p in vgg5_small().parameters())
-    print(f"device {device_name}, torch {torch.__version__}, VGG5-small-like with {params} parameters")
+    print(f"VGG5-small-like with {params} parameters")
     rows = []
     for b in batches:
         gen = torch.Generator().manual_seed(0)
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = med / base if base else float("nan")
             rows.append(dict(workload="vgg5-small", params=params, provider=provider, batch=b, median_ms=f"{med:.2f}",
                              p20_ms=f"{p20:.2f}", p80_ms=f"{p80:.2f}", time_vs_nonprivate=f"{ratio:.3f}",
-                             peak_mem_mb=f"{peak:.0f}", device=device_name, torch=torch.__version__,
-                             date=datetime.date.today().isoformat()))  # fmt: skip
+                             peak_mem_mb=f"{peak:.0f}", **info))  # fmt: skip
             print(f"batch {b:6d} {provider:10s} {med:10.1f} ms ({p20:.1f}, {p80:.1f})  x{ratio:.2f}", flush=True)
     harness.write_rows(rows, args.out, f"{device_name}-clipless")
     return 0

@@ -11,7 +11,6 @@ non-private, and on CUDA the peak memory and its ratio. Results are appended to 
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import warnings
 from pathlib import Path
@@ -134,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     device = torch.device(args.device)
-    device_name = harness.device_name(device)
+    info = harness.run_info(device)
+    device_name = info["device"]
     measure = harness.timer(device, args.repeats, warmup=2)
     try:
         import opacus
@@ -144,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         opacus_version = ""
         args.providers = [p for p in args.providers if not p.startswith("opacus")]
         print("opacus is not installed (pip install opacus): Opacus providers skipped", file=sys.stderr)
-    print(
-        f"device {device_name}, torch {torch.__version__}, threads {torch.get_num_threads()}, opacus {opacus_version}"
-    )
+    print(f"opacus {opacus_version}")
     rows = []
     for name in args.workloads:
         factory, inputs, b = workloads()[name]
@@ -176,9 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             mem_ratio = peak / base_mem if base_mem else float("nan")
             rows.append(dict(workload=name, provider=provider, batch=b, median_ms=f"{med:.3f}", p20_ms=f"{p20:.3f}",
                              p80_ms=f"{p80:.3f}", time_vs_nonprivate=f"{ratio:.3f}", peak_mem_mb=f"{peak:.1f}",
-                             mem_vs_nonprivate=f"{mem_ratio:.3f}", device=device_name,
-                             threads=torch.get_num_threads(), torch=torch.__version__, opacus=opacus_version,
-                             date=datetime.date.today().isoformat()))  # fmt: skip
+                             mem_vs_nonprivate=f"{mem_ratio:.3f}", opacus=opacus_version, **info))  # fmt: skip
             print(f"{name:18s} {provider:13s} {med:10.2f} ms ({p20:.2f}, {p80:.2f})  x{ratio:5.2f} time  "
                   f"{peak:8.1f} MB  x{mem_ratio:5.2f} memory", flush=True)  # fmt: skip
     harness.write_rows(rows, args.out, f"{device_name}-dpsgd")

@@ -19,7 +19,6 @@ appended to bench/results/<device>-lipschitz.csv unless ``--out`` is given.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import sys
 from pathlib import Path
@@ -84,16 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     measure = harness.timer(device, args.repeats)
-    device_name = harness.device_name(device)
-    threads = torch.get_num_threads()
-    print(f"device {device_name}, torch {torch.__version__}, threads {threads}")
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = ""
-    date = datetime.date.today().isoformat()
+    info = harness.run_info(device)
+    device_name = info["device"]
     rows = []
     previous = fastdp.get_backend()
     for op in args.ops:
@@ -124,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = dict(
                     op=op, provider=provider, shape=label, dtype="float32", median_ms=f"{med:.4f}",
                     p20_ms=f"{p20:.4f}", p80_ms=f"{p80:.4f}", gflops=f"{flops / (med * 1e-3) / 1e9:.1f}",
-                    speedup_vs_torch_loop=f"{base_ms / med:.2f}", device=device_name, threads=threads,
-                    torch=torch.__version__, triton=triton_version, date=date,
+                    speedup_vs_torch_loop=f"{base_ms / med:.2f}", **info,
                 )  # fmt: skip
                 rows.append(row)
                 print(

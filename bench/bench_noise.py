@@ -14,7 +14,6 @@ and the ratio to the eager loop. Results are appended to bench/results/<device>-
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import sys
 from pathlib import Path
@@ -125,17 +124,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     measure = harness.timer(device, args.repeats)
-    device_name = harness.device_name(device)
-    torch_threads = torch.get_num_threads()
+    info = harness.run_info(device)
+    device_name = info["device"]
     copy_gbps = copy_bandwidth(device, measure)
-    print(f"device {device_name}, torch {torch.__version__}, threads {torch_threads}, copy {copy_gbps:.1f} GB/s")
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = ""
-    date = datetime.date.today().isoformat()
+    print(f"measured copy bandwidth {copy_gbps:.1f} GB/s")
     rows = []
     previous = fastdp.get_backend()
     for model in args.models:
@@ -160,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                         op=op, provider=provider, shape=f"{model}:{len(shapes)}x{numel}", dtype=dtype_name,
                         median_ms=f"{med:.4f}", p20_ms=f"{p20:.4f}", p80_ms=f"{p80:.4f}", gbps=f"{gbps:.1f}",
                         pct_copy_bw=f"{100 * gbps / copy_gbps:.1f}", speedup_vs_eager=f"{eager_ms / med:.2f}",
-                        peak_mem_mb=f"{peak:.0f}", device=device_name, threads=torch_threads,
-                        torch=torch.__version__, triton=triton_version, date=date,
+                        peak_mem_mb=f"{peak:.0f}", **info,
                     )  # fmt: skip
                     rows.append(row)
                     print(

@@ -20,7 +20,6 @@ bench/results/<device>-norms.csv (long format).
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import sys
 from pathlib import Path
@@ -71,16 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     measure = harness.timer(device, args.repeats)
-    device_name = harness.device_name(device)
-    threads = torch.get_num_threads()
-    print(f"device {device_name}, torch {torch.__version__}, threads {threads}")
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = ""
-    date = datetime.date.today().isoformat()
+    info = harness.run_info(device)
+    device_name = info["device"]
     rows = []
     previous = fastdp.get_backend()
     for dtype_name in args.dtypes:
@@ -104,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                     op="ghost_norm_sq", provider=provider, shape=f"B{batch}xT{seq}xd{dim_a}xp{dim_g}",
                     dtype=dtype_name, median_ms=f"{med:.4f}", p20_ms=f"{p20:.4f}", p80_ms=f"{p80:.4f}",
                     gflops=f"{gflops:.1f}", pct_matmul=f"{100 * gflops / peak:.1f}",
-                    speedup_vs_ref=f"{ref_ms / med:.2f}", peak_mem_mb=f"{peak_mb:.0f}", device=device_name,
-                    threads=threads, torch=torch.__version__, triton=triton_version, date=date,
+                    speedup_vs_ref=f"{ref_ms / med:.2f}", peak_mem_mb=f"{peak_mb:.0f}", **info,
                 )  # fmt: skip
                 rows.append(row)
                 print(

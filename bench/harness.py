@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import datetime
 import platform
 import statistics
 import time
@@ -34,6 +35,20 @@ def timer(device: torch.device, repeats: int, warmup: int = 1):
         return statistics.median(times), q[1], q[7]
 
     return measure
+
+
+def run_info(device: torch.device) -> dict:
+    """Columns every result row carries: device, threads, versions, date. Also printed as the run's header."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = ""
+    info = dict(device=device_name(device), threads=torch.get_num_threads(), torch=torch.__version__,
+                triton=triton_version, date=datetime.date.today().isoformat())  # fmt: skip
+    print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    return info
 
 
 def device_name(device: torch.device) -> str:

@@ -179,6 +179,7 @@ def test_bjorck_cuda_kernel_low_precision_non_contiguous_and_list(dtype, restore
         expected = ref.bjorck_orthonormalize([w.cpu().to(ref.accumulation_dtype(w.dtype))], iters=20, beta=0.4)[0]
         tol = dict(rtol=1e-10, atol=1e-10) if w.dtype == torch.float64 else dict(rtol=1.6e-2, atol=1.6e-2)
         torch.testing.assert_close(o.cpu().to(expected.dtype), expected.to(w.dtype).to(expected.dtype), **tol)
+    torch.library.opcheck(torch.ops.fastdp.bjorck_orthonormalize.default, ([w.contiguous() for w in weights], 3, 0.5))
     with pytest.raises(RuntimeError, match="contiguous"):
         fastdp._ext._C.bjorck_cuda(sliced, 3, 0.5)
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):

@@ -283,6 +283,7 @@ def test_power_iteration_cuda_kernel_mixed_dtypes_zero_matrix_and_binding(restor
     assert torch.equal(direct[0], sigma)
     for a, b in zip(direct[1] + direct[2], us + vs, strict=True):
         assert torch.equal(a, b)
+    torch.library.opcheck(torch.ops.fastdp.power_iteration.default, (weights, starts, 3))
     with pytest.raises(RuntimeError, match="float32"):
         fastdp._ext._C.power_iteration_cuda(weights, [s.double() for s in starts], 5)
     with pytest.raises(RuntimeError, match="contiguous"):

@@ -1,0 +1,16 @@
+// Launcher of the CUDA batched power iteration: raw device pointers and a stream, no torch types.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fastdp/spectral.h"
+
+namespace fastdp {
+
+// `iters` power-iteration steps (fastdp/spectral.h) on every matrix of `mats` (a device
+// table of num_mats descriptors; matrices of any shapes and element types) in ONE launch:
+// block l handles matrix l. iters >= 1. Returns the launch error (cudaSuccess if none).
+cudaError_t launch_power_iteration_cuda(const PowerIterMatrix* mats, int64_t num_mats, int32_t iters,
+                                        cudaStream_t stream);
+
+}  // namespace fastdp
