@@ -35,12 +35,12 @@ SIGMAS = 5.0
 def per_example_grad_norms(model: nn.Module, loss: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     """parameter -> [B] per-example gradient norms of the summed loss (torch.func; the test's ground truth)."""
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    by_name = dict(model.named_parameters())  # before functional_call, which swaps the attributes
 
     def one(ps, xi, yi):
         return loss(functional_call(model, ps, (xi.unsqueeze(0),)), yi.unsqueeze(0)).sum()
 
     grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    by_name = dict(model.named_parameters())
     return {by_name[n]: g.reshape(g.shape[0], -1).norm(dim=1) for n, g in grads.items()}
 
 
@@ -303,3 +303,29 @@ def test_mlp_mixer_bounds_hold():
         loss(model(x), y).sum().backward()
         optimizer.step()
         project_(model)
+
+
+def test_residual_with_clip_gradient_inside_is_bounded():
+    """ClipGradient's rule is not linear: the residual must apply the block's rules to g / 2 itself."""
+    torch.manual_seed(0)
+    inner = LipschitzLinear(8, 8)
+    with torch.no_grad():
+        inner.weight.copy_(torch.eye(8))
+    model = nn.Sequential(BoundedInput(1.0), LipschitzLinear(8, 8), Residual(inner, ClipGradient(0.1)),
+                          ClipGradient(0.05))  # fmt: skip
+    loss = TauCrossEntropy()
+    x, y = 10 * torch.randn(256, 8), torch.randint(0, 8, (256,))
+    bounds = lipschitz_bounds(model, loss)
+    for p, n in per_example_grad_norms(model, loss, x, y).items():
+        assert n.max() <= bounds[p] * (1 + 1e-5)
+
+
+def test_a_parameter_used_twice_gets_the_sum_of_its_bounds():
+    torch.manual_seed(0)
+    shared = LipschitzLinear(6, 6)
+    model = nn.Sequential(BoundedInput(2.0), shared, GroupSort2(), shared, LipschitzLinear(6, 3))
+    loss = TauCrossEntropy()
+    x, y = 5 * torch.randn(128, 6), torch.randint(0, 3, (128,))
+    bounds = lipschitz_bounds(model, loss)
+    for p, n in per_example_grad_norms(model, loss, x, y).items():
+        assert n.max() <= bounds[p] * (1 + 1e-5)

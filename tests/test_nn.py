@@ -231,7 +231,10 @@ def test_unsupported_layers_are_listed_with_alternatives():
     assert "1 (BatchNorm2d): use GroupNorm" in text and "3 (LSTM)" in text and "Supported layers:" in text
     frozen = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     frozen[1].requires_grad_(False)
-    dpnn.convert(frozen)  # frozen BatchNorm parameters are fine (running stats still mix examples in train mode)
+    with pytest.raises(dpnn.UnsupportedLayerError, match="batch statistics in training mode"):
+        dpnn.convert(frozen)  # frozen, but batch statistics in train mode still mix examples
+    frozen[1].eval()
+    dpnn.convert(frozen)  # eval mode: fixed (public) statistics, per-example gradients exist
 
 
 def test_non_batch_first_input_is_refused():
@@ -261,6 +264,48 @@ def test_inplace_activation_after_a_layer():
     reference, _ = clipped_gradient_sum(model, per_example_cross_entropy, batch, 0.3)
     for a, b in zip(ghost, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_batch_statistics_in_train_mode_are_refused_at_every_step():
+    """A BatchNorm without parameters passes the parameter check but mixes examples: the step refuses it."""
+    model = dpnn.convert(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False).eval(), nn.Linear(4, 2)))
+    model.train()  # switched back to training mode after convert()
+    batch = Batch(torch.randn(5, 4), torch.zeros(5, dtype=torch.int64), torch.ones(5, dtype=torch.bool))
+    with pytest.raises(dpnn.UnsupportedLayerError, match="BatchNorm1d"):
+        ghost_clipped_gradient_sum(model, per_example_cross_entropy, batch, 1.0)
+
+
+def test_tied_weights_are_refused():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(4, 10, bias=False)
+            self.emb = nn.Embedding(10, 4)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx):
+            return self.head(self.emb(idx)).mean(1)
+
+    with pytest.raises(dpnn.UnsupportedLayerError, match="tied weights"):
+        dpnn.convert(Tied())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_clipped_contribution_stays_within_c(dtype):
+    """Sums are formed in fp32: one example's clipped contribution never exceeds C through rounding."""
+    torch.manual_seed(0)
+    model = dpnn.convert(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))).to(dtype)
+    for b in (4, 64):
+        x, y = torch.randn(b, 32, dtype=dtype), torch.randint(0, 10, (b,))
+        mask = torch.ones(b, dtype=torch.bool)
+        for i in range(min(b, 8)):
+            single = torch.zeros(b, dtype=torch.bool)
+            single[i] = True
+            sums, _ = ghost_clipped_gradient_sum(model, per_example_cross_entropy, Batch(x, y, single), 0.5)
+            assert all(s.dtype == torch.float32 for s in sums)
+            norm = torch.sqrt(sum(s.double().pow(2).sum() for s in sums))
+            assert norm <= 0.5 * (1 + 1e-6)
+        ghost_clipped_gradient_sum(model, per_example_cross_entropy, Batch(x, y, mask), 0.5)
 
 
 def test_shared_layer_is_refused():

@@ -44,10 +44,16 @@ def _unsupported(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
+
+
 def check_supported(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedLayerError` listing every module with trainable parameters that is not a DP layer."""
+    """Raise :class:`UnsupportedLayerError` for modules one-backward clipping cannot handle: trainable modules that
+    are not DP layers, batch-statistics layers in training mode (they mix examples, trainable or not), and a
+    parameter shared by two DP layers (tied weights: its per-example gradient sums both uses)."""
     bad = _unsupported(model)
     if not bad:
+        _check_mixing_and_sharing(model)
         return
     lines = []
     for name, module in bad:
@@ -61,6 +67,27 @@ def check_supported(model: nn.Module) -> None:
         + f"\nSupported layers: {supported} (torch modules are converted by fastdp.nn.convert). Freeze the others "
         "(requires_grad=False), replace them, or use DPSGD(mode='reference') for arbitrary modules."
     )
+
+
+def _check_mixing_and_sharing(model: nn.Module) -> None:
+    mixing = [f"{n or '<model>'} ({type(m).__name__})" for n, m in model.named_modules()
+              if isinstance(m, _MIXING) and m.training]  # fmt: skip
+    if mixing:
+        raise UnsupportedLayerError(
+            "these layers use batch statistics in training mode, so one example changes every example's gradient: "
+            + ", ".join(mixing)
+            + ". Use GroupNorm or LayerNorm, or put them in eval mode with public statistics."
+        )
+    owners: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, DPLayer):
+            for p in module.dp_parameters():
+                if id(p) in owners:
+                    raise UnsupportedLayerError(
+                        f"a parameter is shared by {owners[id(p)]} and {name} (tied weights); one-backward clipping "
+                        "needs each parameter in one layer: use DPSGD(mode='reference')"
+                    )
+                owners[id(p)] = name or "<model>"
 
 
 def convert(model: nn.Module) -> nn.Module:

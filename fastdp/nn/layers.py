@@ -55,8 +55,10 @@ def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) ->
 
 
 def _weighted(factors: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
-    """sum_i c_i x_i for x [B, ...]."""
-    return torch.einsum("b,b...->...", factors.to(per_example.dtype), per_example)
+    """sum_i c_i x_i for x [B, ...], in the accumulation dtype (fp32 for half types, so rounding cannot push one
+    example's clipped contribution past its bound)."""
+    acc = _acc(per_example)
+    return torch.einsum("b,b...->...", factors.to(acc), per_example.to(acc))
 
 
 class DPLayer:
@@ -105,7 +107,9 @@ class Linear(nn.Linear, DPLayer):
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
     ) -> list[torch.Tensor]:
         (a,) = saved
-        weighted = grad_out * factors.to(grad_out.dtype).reshape(-1, *([1] * (grad_out.dim() - 1)))
+        acc = _acc(grad_out)
+        a, grad_out = a.to(acc), grad_out.to(acc)  # clipped sums in fp32 for half types (see _weighted)
+        weighted = grad_out * factors.to(acc).reshape(-1, *([1] * (grad_out.dim() - 1)))
         weighted = weighted.reshape(-1, grad_out.shape[-1])
         sums = []
         if self.weight.requires_grad and cache and "weight" in cache:
@@ -200,7 +204,9 @@ class _ConvNd(DPLayer):
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
     ) -> list[torch.Tensor]:
         (x,) = saved
-        weighted = grad_out * factors.to(grad_out.dtype).reshape(-1, *([1] * (grad_out.dim() - 1)))
+        acc = _acc(grad_out)
+        x, grad_out = x.to(acc), grad_out.to(acc)  # clipped sums in fp32 for half types (see _weighted)
+        weighted = grad_out * factors.to(acc).reshape(-1, *([1] * (grad_out.dim() - 1)))
         sums = []
         if self.weight.requires_grad and cache and "weight" in cache:
             sums.append(_weighted(factors, cache["weight"]))
@@ -273,7 +279,7 @@ class Embedding(nn.Embedding, DPLayer):
             return []
         if cache and "weight" in cache:
             return [_weighted(factors, cache["weight"])]
-        idx, g = self._tokens(idx, grad_out)
+        idx, g = self._tokens(idx, grad_out.to(_acc(grad_out)))
         weighted = (g * factors.to(g.dtype).reshape(-1, 1, 1)).reshape(-1, g.shape[-1])
         total = torch.zeros(self.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
         return [total.index_add_(0, idx.reshape(-1), weighted)]
@@ -299,6 +305,8 @@ class _AffineNorm(DPLayer):
     def _per_example(self, saved, grad_out: torch.Tensor) -> list[torch.Tensor]:
         """Per-example gradients [B, *param.shape] of the trainable affine parameters (they are small)."""
         (x_hat,) = saved
+        acc = _acc(grad_out)
+        x_hat, grad_out = x_hat.to(acc), grad_out.to(acc)
         grads = []
         if self.weight is not None and self.weight.requires_grad:
             grads.append(self._reduce(grad_out * x_hat))

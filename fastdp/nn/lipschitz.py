@@ -217,7 +217,7 @@ class L2NormPool2d(LipschitzModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernel_size
-        return (F.avg_pool2d(x * x, k, stride=k) * (k * k) + 1e-12).sqrt()
+        return (F.avg_pool2d(x * x, k, stride=k) * (k * k)).clamp(min=0).sqrt()  # f(0) = 0
 
 
 class AddBias(LipschitzModule):
@@ -302,9 +302,10 @@ class Residual(LipschitzModule):
         return _backward_bounds(self.block, _forward_bounds(self.block, x_bound), 0.5 * g_bound)[0]
 
     def backpropagate(self, g_bound: float) -> float:
-        # l_block from the chain of the block's layers (x-independent for these rules)
-        _, block_g = _backward_bounds(self.block, _forward_bounds(self.block, 1.0), 1.0)
-        return 0.5 * g_bound * (1.0 + block_g)
+        # dL/dx = g/2 + J_block^T (g/2): the block's rule is applied to g/2 itself (ClipGradient's is not linear);
+        # gradient rules do not depend on the input bound, so any forward bound serves to walk the block.
+        _, block_g = _backward_bounds(self.block, _forward_bounds(self.block, 1.0), 0.5 * g_bound)
+        return 0.5 * g_bound + block_g
 
 
 class ClipGradient(LipschitzModule):
@@ -455,12 +456,18 @@ def _forward_bounds(model: nn.Module, x_bound: float) -> list[float]:
 def _backward_bounds(model: nn.Module, x_bounds: list[float], g_bound: float) -> tuple[dict, float]:
     """(parameter -> per-example gradient bound, gradient bound at the model input)."""
     sensitivities: dict[nn.Parameter, float] = {}
+
+    def add(found: dict[nn.Parameter, float]) -> None:
+        # A parameter used by several layers has the sum of its uses' gradients: bounds add up.
+        for p, bound in found.items():
+            sensitivities[p] = sensitivities.get(p, 0.0) + bound
+
     for layer, x_bound in reversed(list(zip(_layers(model), x_bounds[:-1], strict=True))):
         if isinstance(layer, nn.Sequential):
             inner, g_bound = _backward_bounds(layer, _forward_bounds(layer, x_bound), g_bound)
-            sensitivities.update(inner)
+            add(inner)
         elif isinstance(layer, LipschitzModule):
-            sensitivities.update(layer.sensitivities(x_bound, g_bound))
+            add(layer.sensitivities(x_bound, g_bound))
             g_bound = layer.backpropagate(g_bound)
     return sensitivities, g_bound
 

@@ -24,7 +24,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--variant", default=d.variant, choices=sorted(VARIANTS),
                    help="training variant: dpsgd = per-example clipping + Gaussian noise; clipless = Lipschitz "
                         "network, analytic per-layer bounds, no clipping (needs --model lipschitz_mlp); weightclip = "
-                        "Lip-DP-SGD, weight norms clipped to C (needs --model weightclip_mlp); nonprivate = "
+                        "Lip-DP-SGD, weight norms clipped to C (needs --model weightclip_mlp); backprop = "
+                        "backpropagation clipping (inputs to C1, upstream gradients to C2); nonprivate = "
                         "plain SGD, for comparison (default: %(default)s)")  # fmt: skip
     datasets = "; ".join(f"{name}: {text}" for name, text in DATASETS.items())
     g.add_argument("--dataset", default=d.dataset, choices=sorted(DATASETS),
@@ -58,6 +59,10 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--input-bound", type=float, default=None,
                    help="clipless / Lipschitz models: X_0, each example's input is projected onto the L2 ball of this "
                         "radius (default sqrt(number of features))")  # fmt: skip
+    g.add_argument("--input-clip", type=float, default=d.input_clip,
+                   help="backprop: C1, every trainable layer's input is clipped per example to this L2 norm; "
+                        "--clip-norm is then C2, the per-example bound on each layer's upstream gradient "
+                        "(default: %(default)s)")  # fmt: skip
     g.add_argument("--max-weight-norm", type=float, default=d.max_weight_norm,
                    help="weightclip: C, each layer's weight matrix is rescaled after a step when its spectral norm "
                         "exceeds C (default: %(default)s)")  # fmt: skip

@@ -47,6 +47,7 @@ class TrainConfig:
     momentum: float = 0.0
     clip_norm: float = 1.0
     input_bound: float | None = None  # Lipschitz models: X_0, inputs projected onto this L2 ball (default sqrt(d))
+    input_clip: float = 1.0  # backprop: C1, each example's input to every trainable layer is clipped to this norm
     max_weight_norm: float = 1.0  # weightclip: C, the bound kept on each layer's spectral norm
     tau: float = 1.0  # clipless: temperature of the tau cross-entropy (Lipschitz constant sqrt(2) in logits)
     noise_strategy: str = "per-layer"  # clipless: per-layer or global noise

@@ -1,0 +1,130 @@
+"""Backpropagation clipping (Stevens et al. 2022, papers/02, with the published noise-scale bug fixed).
+
+Every trainable layer clips each example's *input* to norm C1 in the forward pass and each example's *upstream
+gradient* (w.r.t. the layer output) to C2 in the backward pass. Then, per example:
+
+* Linear, y = x W^T + b: ||dL/dW||_F = ||g x^T||_F <= ||g|| ||x|| <= C1 C2 (token-wise inputs too:
+  ||sum_t g_t x_t^T||_F <= ||g|| ||x||), ||dL/db|| <= sqrt(T) ||g|| for T positions (1 for [B, d] inputs);
+* Conv2d with the l15 norm of the upstream gradient, ||g||_15 = sqrt(sum_c (sum_pq |g_cpq|)^2): the kernel
+  gradient of output channel c is a sum of shifted copies of x weighted by g_c, so its norm is <= sum_pq |g_cpq|
+  ||x||, hence ||dL/dK||_F <= ||g||_15 ||x|| <= C1 C2, and ||dL/db|| <= ||g||_15 <= C2.
+
+No per-example gradient is formed: one ordinary backward of the summed loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["BackpropClipConv2d", "BackpropClipLinear", "clip_rows", "convert_backprop", "parameter_sensitivities"]
+
+
+def _row_norms(x: torch.Tensor, norm: str) -> torch.Tensor:
+    if norm == "l15":  # [B, C, ...]: L2 over channels of the L1 over positions
+        return x.abs().flatten(2).sum(2).pow(2).sum(1).sqrt()
+    return x.reshape(x.shape[0], -1).norm(dim=1)
+
+
+def clip_rows(x: torch.Tensor, bound: float, norm: str = "l2") -> torch.Tensor:
+    """Scale each example (row of dim 0) to ``norm`` <= ``bound``; rows already inside are unchanged."""
+    scale = (bound / _row_norms(x, norm).clamp(min=1e-12)).clamp(max=1.0)
+    return x * scale.reshape(-1, *([1] * (x.dim() - 1))).to(x.dtype)
+
+
+class _ClipUpstream(torch.autograd.Function):
+    """Identity forward; the backward clips each example's gradient to ``bound`` in ``norm``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, bound: float, norm: str) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.bound, ctx.norm = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return clip_rows(grad, ctx.bound, ctx.norm), None, None
+
+
+class _BackpropClip:
+    """Mixin: input clip C1, upstream-gradient clip C2, and the per-example sensitivity of each parameter."""
+
+    input_clip: float
+    grad_clip: float
+
+    def _clipped_call(self, x: torch.Tensor, norm: str) -> torch.Tensor:
+        y = super().forward(clip_rows(x, self.input_clip))
+        return _ClipUpstream.apply(y, self.grad_clip, norm)
+
+
+class BackpropClipLinear(_BackpropClip, nn.Linear):
+    """``nn.Linear`` with backpropagation clipping; bias sensitivity counts the positions of token-wise inputs."""
+
+    positions: int = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.positions = max(self.positions, math.prod(x.shape[1:-1]))
+        return self._clipped_call(x, "l2")
+
+    def sensitivities(self) -> dict[nn.Parameter, float]:
+        out = {self.weight: self.input_clip * self.grad_clip}
+        if self.bias is not None:
+            out[self.bias] = math.sqrt(self.positions) * self.grad_clip
+        return out
+
+
+class BackpropClipConv2d(_BackpropClip, nn.Conv2d):
+    """``nn.Conv2d`` (zero padding) with backpropagation clipping; upstream gradients clipped in the l15 norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            raise ValueError("BackpropClipConv2d supports padding_mode='zeros' only")
+        return self._clipped_call(x, "l15")
+
+    def sensitivities(self) -> dict[nn.Parameter, float]:
+        out = {self.weight: self.input_clip * self.grad_clip}
+        if self.bias is not None:
+            out[self.bias] = self.grad_clip
+        return out
+
+
+_SWAP = {nn.Linear: BackpropClipLinear, nn.Conv2d: BackpropClipConv2d}
+
+
+def convert_backprop(model: nn.Module, input_clip: float, grad_clip: float) -> nn.Module:
+    """Make every Linear/Conv2d of ``model`` clip its inputs to ``input_clip`` and its upstream gradients to
+    ``grad_clip`` (in place; parameters kept). Raises ValueError naming trainable modules of other types."""
+    for name, value in (("input clip C1", input_clip), ("gradient clip C2", grad_clip)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"backprop clipping: {name} must be finite and > 0, got {value}")
+    for module in model.modules():
+        cls = _SWAP.get(type(module))
+        if cls is not None:
+            module.__class__ = cls
+        if isinstance(module, _BackpropClip):
+            module.input_clip, module.grad_clip = float(input_clip), float(grad_clip)
+    bad = [
+        f"{name or '<model>'} ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if not isinstance(m, _BackpropClip) and any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+    if bad:
+        raise ValueError(
+            "backprop clipping supports trainable Linear and Conv2d layers only; freeze or replace: " + ", ".join(bad)
+        )
+    return model
+
+
+def parameter_sensitivities(model: nn.Module) -> dict[nn.Parameter, float]:
+    """Per-example gradient-norm bound of every trainable parameter of a converted model."""
+    out: dict[nn.Parameter, float] = {}
+    for module in model.modules():
+        if isinstance(module, _BackpropClip):
+            out.update({p: s for p, s in module.sensitivities().items() if p.requires_grad})
+    return out
