@@ -8,7 +8,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fastdp.algorithms import BackpropClip, Batch
-from fastdp.nn.backprop import clip_rows, convert_backprop, parameter_sensitivities
+from fastdp.nn.backprop import convert_backprop, parameter_sensitivities
+from fastdp.nn.clip import clip_rows
 from fastdp.train.trainer import TrainConfig, train
 
 SIGMAS = 5.0

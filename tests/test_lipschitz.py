@@ -329,3 +329,15 @@ def test_a_parameter_used_twice_gets_the_sum_of_its_bounds():
     bounds = lipschitz_bounds(model, loss)
     for p, n in per_example_grad_norms(model, loss, x, y).items():
         assert n.max() <= bounds[p] * (1 + 1e-5)
+
+
+def test_clipless_input_bound_is_enforced_without_bounded_input():
+    """Clipless(input_bound=X_0) on a model without BoundedInput projects the inputs itself: the sum of the
+    per-example gradients of huge inputs stays within the batch size times the bound."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LipschitzLinear(5, 6), GroupSort2(), LipschitzLinear(6, 3))
+    variant = Clipless(0.0, 0.5, 8, input_bound=1.0, seed=0)
+    x, y = 1e4 * torch.randn(4, 5), torch.randint(0, 3, (4,))
+    variant.gradient(model, Batch(x, y, torch.ones(4, dtype=torch.bool)), step=0)
+    for p, bound in zip(model.parameters(), variant.last_bounds, strict=True):
+        assert p.grad.norm() * variant.expected_batch_size <= 4 * bound * (1 + 1e-5)

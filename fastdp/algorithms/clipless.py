@@ -22,7 +22,8 @@ import math
 import torch
 
 from fastdp.algorithms.base import Batch, Variant, trainable_parameters
-from fastdp.nn.lipschitz import BoundedInput, LipschitzLoss, TauCrossEntropy, lipschitz_bounds, project_
+from fastdp.nn.clip import clip_rows
+from fastdp.nn.lipschitz import LipschitzLoss, TauCrossEntropy, lipschitz_bounds, project_
 from fastdp.ops import add_noise_
 
 STRATEGIES = ("per-layer", "global")
@@ -86,7 +87,7 @@ class Clipless(Variant):
     def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
         params = trainable_parameters(model)
         stds = self.noise_stds(model)
-        x = batch.x if self.input_bound is None else BoundedInput(self.input_bound)(batch.x)  # enforce X_0
+        x = batch.x if self.input_bound is None else clip_rows(batch.x, self.input_bound)  # enforce X_0
         losses = self.loss_fn(model(x), batch.y) * batch.mask
         if batch.x.shape[0]:
             sums = list(torch.autograd.grad(losses.sum(), params, allow_unused=True))

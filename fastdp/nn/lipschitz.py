@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdp.nn.clip import clip_gradient, clip_rows
 from fastdp.ops import certified_spectral_norm, rko_orthonormalize, spectral_normalize_and_orthonormalize
 
 __all__ = [
@@ -74,9 +75,7 @@ class BoundedInput(LipschitzModule):
         self.bound = float(bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norms = x.reshape(x.shape[0], -1).norm(dim=1).clamp(min=1e-12)
-        scale = (self.bound / norms).clamp(max=1.0)
-        return x * scale.reshape(-1, *([1] * (x.dim() - 1)))
+        return clip_rows(x, self.bound)
 
     def propagate(self, x_bound: float) -> float:
         return min(self.bound, x_bound)
@@ -321,31 +320,10 @@ class ClipGradient(LipschitzModule):
         self.clip = float(clip)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ClipRows.apply(x, self.clip)
+        return clip_gradient(x, self.clip)
 
     def backpropagate(self, g_bound: float) -> float:
         return min(g_bound, self.clip)
-
-
-class _ClipRows(torch.autograd.Function):
-    """Identity; the backward scales each row (example) of the incoming gradient to norm <= clip. Works under
-    torch.func transforms (setup_context + generated vmap rule)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x: torch.Tensor, clip: float) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.clip = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        norms = grad.reshape(grad.shape[0], -1).norm(dim=1)
-        scale = (ctx.clip / norms.clamp(min=1e-12)).clamp(max=1.0)
-        return grad * scale.reshape(-1, *([1] * (grad.dim() - 1))), None
 
 
 # ----------------------------------------------------------------------------------------------------- losses
