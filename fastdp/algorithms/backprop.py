@@ -17,9 +17,15 @@ import math
 
 import torch
 
-from fastdp.algorithms.base import Batch, Variant, per_example_cross_entropy, trainable_parameters
+from fastdp.algorithms.base import (
+    Batch,
+    Variant,
+    per_example_cross_entropy,
+    release_noisy_mean,
+    summed_loss_gradients,
+    trainable_parameters,
+)
 from fastdp.nn.backprop import convert_backprop, parameter_sensitivities
-from fastdp.ops import add_noise_
 from fastdp.privacy.accounting import zcdp_rho, zcdp_to_epsilon
 
 
@@ -63,23 +69,13 @@ class BackpropClip(Variant):
             convert_backprop(model, self.input_clip, self.grad_clip)
             self._prepared.add(id(model))
         params = trainable_parameters(model)
-        losses = self.loss_fn(model(batch.x), batch.y) * batch.mask
-        if batch.x.shape[0]:
-            sums = list(torch.autograd.grad(losses.sum(), params, allow_unused=True))
-            sums = [torch.zeros_like(p) if g is None else g for p, g in zip(params, sums, strict=True)]
-        else:
-            sums = [torch.zeros_like(p) for p in params]
+        sums, loss = summed_loss_gradients(model, self.loss_fn, batch)
         sensitivities = parameter_sensitivities(model)
         self.tensors = len(params)
         scale = self.noise_multiplier * math.sqrt(len(params))
-        stds = [scale * sensitivities[p] for p in params]  # on the sum; divided by q N below, once
-        if self.secure:
-            add_noise_(sums, stds, secure=True)
-        else:
-            add_noise_(sums, stds, seed=self.seed, offset=step)
-        for p, total in zip(params, sums, strict=True):
-            p.grad = total.div_(self.expected_batch_size)
-        return losses.detach().sum()
+        stds = [scale * sensitivities[p] for p in params]  # on the sum; divided by q N once, below
+        release_noisy_mean(params, sums, stds, self.expected_batch_size, self.seed, step, self.secure)
+        return loss
 
     def privacy_event(self) -> tuple[float, float]:
         return self.noise_multiplier, self.sample_rate

@@ -15,6 +15,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from fastdp.ops import add_noise_
+
 
 @dataclass
 class Batch:
@@ -70,3 +72,42 @@ class Variant(abc.ABC):
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def sum_dtype(p: torch.Tensor) -> torch.dtype:
+    """Gradient sums and their noise stay in fp32 (fp64 for fp64 parameters) until the noisy result is cast to the
+    parameter's dtype: rounding a low-precision sum before the noise would make the release depend on the data
+    beyond the sensitivity bound; after the noise it is post-processing."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
+def summed_loss_gradients(model: torch.nn.Module, loss_fn, batch: Batch) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(gradient of the summed loss of the real examples w.r.t. each trainable parameter, in ``sum_dtype``; that
+    summed loss). One ordinary backward: for variants whose sensitivity is bounded inside the network."""
+    params = trainable_parameters(model)
+    losses = loss_fn(model(batch.x), batch.y) * batch.mask if batch.x.shape[0] else None
+    if losses is None:
+        return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
+    grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+    sums = [torch.zeros_like(p, dtype=sum_dtype(p)) if g is None else g.to(sum_dtype(p))
+            for p, g in zip(params, grads, strict=True)]  # fmt: skip
+    return sums, losses.detach().sum()
+
+
+def release_noisy_mean(
+    params: list[torch.nn.Parameter],
+    sums: list[torch.Tensor],
+    stds: list[float],
+    expected_batch_size: float,
+    seed: int,
+    step: int,
+    secure: bool,
+) -> None:
+    """p.grad = (sum + N(0, std^2)) / (q N) for each parameter: the noise is keyed by (seed, step) or, secure,
+    drawn from OS entropy; the divisor is the expected batch size, never the realised one."""
+    if secure:
+        add_noise_(sums, stds, secure=True)
+    else:
+        add_noise_(sums, stds, seed=seed, offset=step)
+    for p, total in zip(params, sums, strict=True):
+        p.grad = total.div_(expected_batch_size).to(p.dtype)  # cast after the noise: post-processing

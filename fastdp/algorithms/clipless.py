@@ -21,10 +21,9 @@ import math
 
 import torch
 
-from fastdp.algorithms.base import Batch, Variant, trainable_parameters
+from fastdp.algorithms.base import Batch, Variant, release_noisy_mean, summed_loss_gradients, trainable_parameters
 from fastdp.nn.clip import clip_rows
 from fastdp.nn.lipschitz import LipschitzLoss, TauCrossEntropy, lipschitz_bounds, project_
-from fastdp.ops import add_noise_
 
 STRATEGIES = ("per-layer", "global")
 
@@ -87,20 +86,11 @@ class Clipless(Variant):
     def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
         params = trainable_parameters(model)
         stds = self.noise_stds(model)
-        x = batch.x if self.input_bound is None else clip_rows(batch.x, self.input_bound)  # enforce X_0
-        losses = self.loss_fn(model(x), batch.y) * batch.mask
-        if batch.x.shape[0]:
-            sums = list(torch.autograd.grad(losses.sum(), params, allow_unused=True))
-            sums = [torch.zeros_like(p) if g is None else g for p, g in zip(params, sums, strict=True)]
-        else:
-            sums = [torch.zeros_like(p) for p in params]
-        if self.secure:
-            add_noise_(sums, stds, secure=True)
-        else:
-            add_noise_(sums, stds, seed=self.seed, offset=step)
-        for p, total in zip(params, sums, strict=True):
-            p.grad = total.div_(self.expected_batch_size)
-        return losses.detach().sum()
+        if self.input_bound is not None:  # enforce X_0 on the inputs (a per-example projection)
+            batch = Batch(clip_rows(batch.x, self.input_bound), batch.y, batch.mask)
+        sums, loss = summed_loss_gradients(model, self.loss_fn, batch)
+        release_noisy_mean(params, sums, stds, self.expected_batch_size, self.seed, step, self.secure)
+        return loss
 
     def after_step(self, model: torch.nn.Module) -> None:
         project_(model)

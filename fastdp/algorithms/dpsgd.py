@@ -29,9 +29,16 @@ from collections.abc import Sequence
 import torch
 from torch.func import functional_call, grad, vmap
 
-from fastdp.algorithms.base import Batch, Variant, per_example_cross_entropy, trainable_parameters
+from fastdp.algorithms.base import (
+    Batch,
+    Variant,
+    per_example_cross_entropy,
+    release_noisy_mean,
+    sum_dtype,
+    trainable_parameters,
+)
 from fastdp.nn import DPLayer, GhostClipping, check_supported, convert
-from fastdp.ops import add_noise_, clip_factors
+from fastdp.ops import clip_factors
 from fastdp.privacy.accounting import per_layer_noise_multiplier
 
 NORM_EPS = 1e-6  # in the clip factor's denominator (Opacus' convention)
@@ -67,13 +74,6 @@ def _factors(sq_norms: torch.Tensor, clip_norm: float | Sequence[float]) -> torc
     return (bounds / (sq_norms.sqrt() + NORM_EPS)).clamp(max=1.0)
 
 
-def _sum_dtype(p: torch.Tensor) -> torch.dtype:
-    """Clipped sums and their noise stay in fp32 (fp64 for fp64 parameters) until the noisy result is cast to the
-    parameter's dtype: rounding a low-precision sum before the noise would make the release depend on the data
-    beyond the clip bound; after the noise it is post-processing."""
-    return torch.float64 if p.dtype == torch.float64 else torch.float32
-
-
 def ghost_clipped_gradient_sum(
     model: torch.nn.Module, loss_fn, batch: Batch, clip_norm: float | Sequence[float]
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -85,7 +85,7 @@ def ghost_clipped_gradient_sum(
     params = trainable_parameters(model)
     check_supported(model)  # every step: train/eval mode and tied weights can change after convert()
     if batch.x.shape[0] == 0:
-        return [torch.zeros_like(p, dtype=_sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
+        return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
     with GhostClipping() as ctx:
         losses = loss_fn(model(batch.x), batch.y) * batch.mask
     records = ctx.records
@@ -117,7 +117,7 @@ def ghost_clipped_gradient_sum(
     sums: dict[int, torch.Tensor] = {}
     for r, g, c, cache in zip(records, grads_out, factors, caches, strict=True):
         for p, total in zip(r.layer.dp_parameters(), r.layer.clipped_grad_sums(r.saved, g, c, cache), strict=True):
-            sums[id(p)] = total.to(_sum_dtype(p))
+            sums[id(p)] = total.to(sum_dtype(p))
     return [sums[id(p)] for p in params], losses.detach().sum()
 
 
@@ -127,7 +127,7 @@ def clipped_gradient_sum(
     """Same as :func:`ghost_clipped_gradient_sum` from ``torch.func`` per-example gradients (reference)."""
     params = trainable_parameters(model)
     if batch.x.shape[0] == 0:
-        return [torch.zeros_like(p, dtype=_sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
+        return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
     per_example = per_example_gradients(model, loss_fn, batch.x, batch.y)
     if isinstance(clip_norm, (int, float)):
         groups = [list(range(len(params)))]
@@ -140,7 +140,7 @@ def clipped_gradient_sum(
     sums = [None] * len(params)
     for group, c in zip(groups, factors, strict=True):
         for i in group:
-            sums[i] = torch.einsum("b,b...->...", c.to(_sum_dtype(params[i])), per_example[i].to(_sum_dtype(params[i])))
+            sums[i] = torch.einsum("b,b...->...", c.to(sum_dtype(params[i])), per_example[i].to(sum_dtype(params[i])))
     with torch.no_grad():
         loss = (loss_fn(model(batch.x), batch.y) * batch.mask).sum()
     return sums, loss
@@ -213,13 +213,8 @@ class DPSGD(Variant):
         self._prepare(model)
         clipped_sum = ghost_clipped_gradient_sum if self.mode == "ghost" else clipped_gradient_sum
         sums, loss = clipped_sum(model, self.loss_fn, batch, self.clip_norm)
-        stds = self._noise_stds(model)
-        if self.secure:
-            add_noise_(sums, stds, secure=True)
-        else:
-            add_noise_(sums, stds, seed=self.seed, offset=step)
-        for p, total in zip(trainable_parameters(model), sums, strict=True):
-            p.grad = total.div_(self.expected_batch_size).to(p.dtype)  # cast after the noise: post-processing
+        release_noisy_mean(trainable_parameters(model), sums, self._noise_stds(model), self.expected_batch_size,
+                           self.seed, step, self.secure)  # fmt: skip
         return loss
 
     def privacy_event(self) -> tuple[float, float]:
