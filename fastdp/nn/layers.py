@@ -54,6 +54,12 @@ def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) ->
     return _rowsq(per_example)
 
 
+def _scale_rows(grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """c_i * G_i for each example i, in the accumulation dtype (clipped sums in fp32 for half types)."""
+    acc = _acc(grad_out)
+    return grad_out.to(acc) * factors.to(acc).reshape(-1, *([1] * (grad_out.dim() - 1)))
+
+
 def _weighted(factors: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
     """sum_i c_i x_i for x [B, ...], in the accumulation dtype (fp32 for half types, so rounding cannot push one
     example's clipped contribution past its bound)."""
@@ -107,9 +113,7 @@ class Linear(nn.Linear, DPLayer):
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
     ) -> list[torch.Tensor]:
         (a,) = saved
-        acc = _acc(grad_out)
-        a, grad_out = a.to(acc), grad_out.to(acc)  # clipped sums in fp32 for half types (see _weighted)
-        weighted = grad_out * factors.to(acc).reshape(-1, *([1] * (grad_out.dim() - 1)))
+        a, weighted = a.to(_acc(a)), _scale_rows(grad_out, factors)
         weighted = weighted.reshape(-1, grad_out.shape[-1])
         sums = []
         if self.weight.requires_grad and cache and "weight" in cache:
@@ -204,9 +208,7 @@ class _ConvNd(DPLayer):
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
     ) -> list[torch.Tensor]:
         (x,) = saved
-        acc = _acc(grad_out)
-        x, grad_out = x.to(acc), grad_out.to(acc)  # clipped sums in fp32 for half types (see _weighted)
-        weighted = grad_out * factors.to(acc).reshape(-1, *([1] * (grad_out.dim() - 1)))
+        x, weighted = x.to(_acc(x)), _scale_rows(grad_out, factors)
         sums = []
         if self.weight.requires_grad and cache and "weight" in cache:
             sums.append(_weighted(factors, cache["weight"]))
@@ -279,9 +281,9 @@ class Embedding(nn.Embedding, DPLayer):
             return []
         if cache and "weight" in cache:
             return [_weighted(factors, cache["weight"])]
-        idx, g = self._tokens(idx, grad_out.to(_acc(grad_out)))
-        weighted = (g * factors.to(g.dtype).reshape(-1, 1, 1)).reshape(-1, g.shape[-1])
-        total = torch.zeros(self.num_embeddings, g.shape[-1], dtype=g.dtype, device=g.device)
+        idx, g = self._tokens(idx, grad_out)
+        weighted = _scale_rows(g, factors).reshape(-1, g.shape[-1])
+        total = torch.zeros(self.num_embeddings, g.shape[-1], dtype=weighted.dtype, device=g.device)
         return [total.index_add_(0, idx.reshape(-1), weighted)]
 
 
