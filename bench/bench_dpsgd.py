@@ -11,6 +11,7 @@ non-private, and on CUDA the peak memory and its ratio. Results are appended to 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -128,14 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workloads", nargs="+", default=list(workloads()), choices=list(workloads()))
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
-    parser.add_argument("--repeats", type=int, default=7, help="timed steps per provider on CPU")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per provider on CPU (interleaved)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     device = torch.device(args.device)
     info = harness.run_info(device)
     device_name = info["device"]
-    measure = harness.timer(device, args.repeats, warmup=2)
     try:
         import opacus
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         factory, inputs, b = workloads()[name]
         gen = torch.Generator().manual_seed(0)
         x, y = inputs(b, gen).to(device), torch.randint(0, 10, (b,), generator=gen).to(device)
-        base_ms = base_mem = None
+        builders = {}
         for provider in args.providers:
             torch.manual_seed(0)
             model = factory().to(device)
@@ -159,17 +159,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:18s} {provider:13s} skipped: per-sample gradients would take {per_sample_gb:.1f} GiB "
                       "of this machine's memory", flush=True)  # fmt: skip
                 continue
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-            try:
-                med, p20, p80 = measure(make_step(provider, model, x, y))
-            except torch.OutOfMemoryError:
+            builders[provider] = functools.partial(make_step, provider, model, x, y)
+        results = harness.compare(builders, device, args.repeats, warmup=2)
+        base_ms, base_mem = (results.get("nonprivate") or (None,) * 4)[0::3]
+        for provider, result in results.items():
+            if result is None:
                 print(f"{name:18s} {provider:13s} out of memory", flush=True)
                 continue
-            peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-            if provider == "nonprivate":
-                base_ms, base_mem = med, peak
+            med, p20, p80, peak = result
             ratio = med / base_ms if base_ms else float("nan")
             mem_ratio = peak / base_mem if base_mem else float("nan")
             rows.append(dict(workload=name, provider=provider, batch=b, median_ms=f"{med:.3f}", p20_ms=f"{p20:.3f}",

@@ -37,6 +37,44 @@ def timer(device: torch.device, repeats: int, warmup: int = 1):
     return measure
 
 
+def compare(builders: dict, device: torch.device, repeats: int, warmup: int = 2) -> dict:
+    """Time providers side by side: ``builders`` maps a name to a function returning that provider's step closure.
+
+    Returns name -> (median, p20, p80 in ms, peak MB or NaN), or None where the provider ran out of memory. On CPU
+    every step is built first and the timed calls are interleaved (one call of each provider per round, the order
+    rotating), so load drift on the machine falls on all providers alike and the ratios stay meaningful. On CUDA
+    each provider is built and timed alone (do_bench) with its own peak-memory window.
+    """
+    results: dict = {}
+    if device.type == "cuda":
+        measure = timer(device, repeats, warmup)
+        for name, build in builders.items():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                med, p20, p80 = measure(build())
+            except torch.OutOfMemoryError:
+                results[name] = None
+                continue
+            results[name] = (med, p20, p80, torch.cuda.max_memory_allocated(device) / 2**20)
+        return results
+    steps = {name: build() for name, build in builders.items()}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) > 1 else ts * 9
+        results[name] = (statistics.median(ts), q[1], q[7], float("nan"))
+    return results
+
+
 def run_info(device: torch.device) -> dict:
     """Columns every result row carries: device, threads, versions, date. Also printed as the run's header."""
     try:

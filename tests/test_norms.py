@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 
 import fastdp
 from fastdp.ops import clip_factors, ghost_norm_sq
+from fastdp.ops import norms as norms_op
 from fastdp.ref import norms as ref
 from tests.conftest import TOL
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+real_ghost = ref.ghost_norm_sq
 # The device_backend fixture only selects a backend: safe to share across hypothesis examples.
 HYPOTHESIS = settings(
     max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -50,6 +52,32 @@ def _assert_ghost_close(out, a, g, msg):
 
 
 # ----------------------------------------------------------------------------------- ghost norms
+
+
+@pytest.fixture(autouse=True)
+def _kernels_at_every_length(monkeypatch):
+    """The op sends short CPU sequences to batched GEMMs (faster there); these tests check the kernels, at every
+    length, so that routing is switched off here and tested on its own below."""
+    monkeypatch.setattr(norms_op, "CPU_GEMM_MAX_SEQ", 0)
+
+
+def test_short_cpu_sequences_use_batched_gemms(restore_backend, monkeypatch):
+    monkeypatch.setattr(norms_op, "CPU_GEMM_MAX_SEQ", 64)
+    calls = []
+    monkeypatch.setattr(ref, "ghost_norm_sq", lambda a, g: calls.append(a.shape[1]) or real_ghost(a, g))
+    fastdp.set_backend("auto")
+    for seq in (1, 64, 65):
+        a, g = _inputs(3, seq, 5, 7, torch.float32)
+        torch.testing.assert_close(ghost_norm_sq(a, g).double(), real_ghost(a.double(), g.double()), **TOL[a.dtype])
+    assert calls == [1, 64] + ([65] if fastdp.backend_info()["ops"]["norms"]["cpu"]["backend"] == "torch" else [])
+
+
+def test_reference_chunks_examples_exactly(monkeypatch):
+    a, g = _inputs(7, 9, 4, 3, torch.float64)
+    whole = ref.ghost_norm_sq(a, g)
+    monkeypatch.setattr(ref, "GRAM_CHUNK_ELEMENTS", 2 * 81)  # two examples per pass
+    torch.testing.assert_close(ref.ghost_norm_sq(a, g), whole, rtol=0, atol=0)
+    torch.testing.assert_close(whole, ref.per_example_grad_norm_sq(a, g), rtol=1e-12, atol=0)
 
 
 @HYPOTHESIS

@@ -81,7 +81,7 @@ inline void sincos_two_pi(float u, float* c, float* s) {
 }
 
 // z[4 * i + j] = output j of group first_group + i, averaged over the draws.
-__attribute__((target_clones("avx2", "default"))) void normal_batch(uint64_t first_group, const NoiseArgs& args, float* z) {
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default"))) void normal_batch(uint64_t first_group, const NoiseArgs& args, float* z) {
   uint32_t r[4][kBatch];
   float acc[4 * kBatch] = {};
   for (uint32_t draw = 0; draw < args.num_draws; ++draw) {

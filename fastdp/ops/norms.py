@@ -13,7 +13,8 @@ These ops take data, not graph nodes: they have no autograd formula and the entr
 below detach their inputs (the results never require grad).
 
 Backends: ``fastdp._backend.select("norms", device)``. float64 inputs always run the
-reference (the kernels compute in fp32).
+reference (the kernels compute in fp32), and so do CPU ghost norms of sequences up to
+``CPU_GEMM_MAX_SEQ`` positions (batched GEMMs are faster there than the tiled kernel).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ __all__ = ["clip_factors", "ghost_norm_sq"]
 _GHOST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CLIP_DTYPES = (torch.float32, torch.float64)
+# On CPU the tiled csrc kernel (symmetric tiles, no [T, T] buffers) wins from T = 128 up; below, one tile is the
+# whole Gram and MKL's batched GEMM (the reference, chunked over examples) is faster (bench/bench_norms.py).
+CPU_GEMM_MAX_SEQ = 64
 
 
 def _check_ghost(a: torch.Tensor, g: torch.Tensor) -> None:
@@ -97,7 +101,9 @@ def _clip_kernel(backend: str):
 def _ghost_norm_sq_op(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     _check_ghost(a, g)
     backend = _backend.select("norms", a.device.type)
-    run = _ghost_kernel(backend if a.dtype in _KERNEL_DTYPES else "torch")  # float64: the reference
+    if a.dtype not in _KERNEL_DTYPES or (a.device.type == "cpu" and a.shape[1] <= CPU_GEMM_MAX_SEQ):
+        backend = "torch"  # float64; or short sequences on CPU, where batched GEMMs beat the tiled kernel
+    run = _ghost_kernel(backend)
     with torch.no_grad():
         return run(a.contiguous(), g.contiguous())
 

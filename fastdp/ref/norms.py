@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 CLIP_EPS = 1e-6
+GRAM_CHUNK_ELEMENTS = 1 << 22  # Gram entries per pass of ghost_norm_sq (two 16 MiB fp32 buffers)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,16 +30,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``out[i] = ||a_i^T g_i||_F^2`` via the [B, T, T] Gram matrices (materialised: reference only).
+    """``out[i] = ||a_i^T g_i||_F^2`` via the [T, T] Gram matrices, materialised for a chunk of examples at a time
+    (batched GEMMs: on CPU the fastest way for short sequences, see ``fastdp.ops.norms``).
 
     a: [B, T, d], g: [B, T, p]; returns float32 [B] (float64 for float64 inputs), computed
     in that dtype after one exact upcast of the inputs.
     """
     acc = accumulation_dtype(a.dtype)
-    a, g = a.to(acc), g.to(acc)
-    gram_a = torch.bmm(a, a.transpose(1, 2))
-    gram_g = torch.bmm(g, g.transpose(1, 2))
-    return gram_a.mul_(gram_g).sum(dim=(1, 2))
+    seq = a.shape[1]
+    chunk = max(1, GRAM_CHUNK_ELEMENTS // max(1, seq * seq))  # examples per pass: bounded Gram memory
+    out = torch.empty(a.shape[0], dtype=acc, device=a.device)
+    for start in range(0, a.shape[0], chunk):
+        ac, gc = a[start : start + chunk].to(acc), g[start : start + chunk].to(acc)
+        gram_a = torch.bmm(ac, ac.transpose(1, 2))
+        out[start : start + chunk] = gram_a.mul_(torch.bmm(gc, gc.transpose(1, 2))).sum(dim=(1, 2))
+    return out
 
 
 def per_example_grad_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
