@@ -212,7 +212,7 @@ def test_calibration_when_epsilon_jumps(monkeypatch):
     import fastdp.privacy.accounting as accounting
 
     def step_epsilon(runs, delta, mechanism):
-        ((sigma, _, _),) = runs
+        ((sigma, *_),) = runs
         return 10.0 if sigma < 3.0 else 1.0
 
     monkeypatch.setattr(accounting, "_epsilon", step_epsilon)

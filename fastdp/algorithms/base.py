@@ -9,6 +9,7 @@ records :meth:`Variant.privacy_event` with the accountant.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -49,6 +50,12 @@ class Variant(abc.ABC):
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> Variant:
         """The variant a :class:`fastdp.train.trainer.TrainConfig` asks for (the trainer knows no variant by name)."""
         raise ValueError(f"variant {cls.name!r} cannot be built from a training configuration")
+
+    @classmethod
+    def accounting_projections(cls, config) -> float:
+        """JL projections r behind the clip factors under ``config`` (papers/03); ``math.inf`` for exact norms, i.e.
+        each step is a Gaussian mechanism. The accountant needs it: with finite r the sensitivity is random."""
+        return math.inf
 
     @abc.abstractmethod
     def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:

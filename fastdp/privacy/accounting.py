@@ -118,6 +118,17 @@ def _check_mechanism(mechanism: Any) -> str:
     return mechanism
 
 
+def _jl():
+    """``fastdp.privacy.jl`` (imported here: it builds on this module's validation helpers)."""
+    from fastdp.privacy import jl
+
+    return jl
+
+
+def _check_projections(projections: Any) -> float:
+    return _jl()._check_projections(projections)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # dp-accounting bridge
 # ----------------------------------------------------------------------------------------------------------------
@@ -141,17 +152,20 @@ def _is_costly(sigma: float, q: float, n: int) -> bool:
     return n > 0 and q > 0 and not math.isinf(sigma)
 
 
-def _epsilon(runs: Sequence[tuple[float, float, int]], delta: float, mechanism: str) -> float:
-    """Epsilon of the composition of ``runs`` at ``delta``, from a fresh dp-accounting accountant.
+def _epsilon(runs: Sequence[tuple[float, float, int, float]], delta: float, mechanism: str) -> float:
+    """Epsilon of the composition of ``runs`` ``(sigma, q, n, r)`` at ``delta``, from a fresh dp-accounting
+    accountant; r is the JL projections of the run's norm estimates (``math.inf``: a Gaussian mechanism).
 
     Runs that cost nothing (sigma = inf, q = 0 or n = 0) are left out; a run with sigma = 0 and q > 0 releases
     an un-noised sum, so epsilon is infinite.
     """
-    costly = [(s, q, n) for s, q, n in runs if _is_costly(s, q, n)]
+    costly = [(s, q, n, r) for s, q, n, r in runs if _is_costly(s, q, n)]
     if not costly:
         return 0.0
-    if any(s == 0 for s, _, _ in costly):
+    if any(s == 0 for s, _, _, _ in costly):
         return math.inf
+    if any(math.isfinite(r) for *_, r in costly):
+        return _jl().jl_epsilon_of_runs([(s, q, r, n) for s, q, n, r in costly], delta, mechanism=mechanism)
     dpa = _dp_accounting()
     event = dpa.dp_event.ComposedDpEvent(
         [
@@ -159,7 +173,7 @@ def _epsilon(runs: Sequence[tuple[float, float, int]], delta: float, mechanism: 
                 dpa.dp_event.PoissonSampledDpEvent(q, dpa.dp_event.GaussianDpEvent(s)),
                 n,
             )
-            for s, q, n in costly
+            for s, q, n, _ in costly
         ]
     )
     if mechanism == "rdp":
@@ -198,7 +212,7 @@ class PrivacyAccountant:
 
     def __init__(self, mechanism: str = "rdp") -> None:
         self._mechanism = _check_mechanism(mechanism)
-        self._history: list[tuple[float, float, int]] = []
+        self._history: list[tuple[float, float, int, float]] = []  # (sigma, q, n, r)
         self._cache: dict[tuple, float] = {}
 
     @property
@@ -209,8 +223,10 @@ class PrivacyAccountant:
     def __repr__(self) -> str:
         return f"PrivacyAccountant(mechanism={self.mechanism!r}, steps={self.steps}, runs={len(self._history)})"
 
-    def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
-        """Record ``num_steps`` Poisson-subsampled Gaussian steps.
+    def step(
+        self, noise_multiplier: float, sample_rate: float, num_steps: int = 1, projections: float = math.inf
+    ) -> None:
+        """Record ``num_steps`` Poisson-subsampled Gaussian steps (or DP-SGD-JL steps, given ``projections``).
 
         Args:
             noise_multiplier: sigma = noise std / add-remove L2 sensitivity of the noised sum (dimensionless),
@@ -218,29 +234,37 @@ class PrivacyAccountant:
                 no privacy at all (``get_epsilon`` then returns ``math.inf``).
             sample_rate: Poisson sampling probability q in [0, 1] (expected batch size / dataset size).
             num_steps: number of steps, an integer >= 0 (0 records nothing).
+            projections: JL projections r behind the steps' clip factors (DP-SGD-JL, papers/03): the step is then
+                dominated by a Gaussian mechanism whose sensitivity (chi2_r / r)^(-1/2) C is random
+                (``fastdp.privacy.jl``); only the ``"pld"`` mechanism can account it. ``math.inf``: exact norms.
         """
         sigma = _check_noise_multiplier(noise_multiplier)
         q = _check_sample_rate(sample_rate)
         n = _count(num_steps, "num_steps", 0)
-        self._append(sigma, q, n)
+        r = _check_projections(projections)
+        if math.isfinite(r):
+            _jl().check_jl_mechanism(self.mechanism)
+        self._append(sigma, q, n, r)
 
-    def _append(self, sigma: float, q: float, n: int) -> None:
+    def _append(self, sigma: float, q: float, n: int, r: float = math.inf) -> None:
         if n == 0:
             return
-        if self._history and self._history[-1][:2] == (sigma, q):
-            self._history[-1] = (sigma, q, self._history[-1][2] + n)
+        last = self._history[-1] if self._history else None
+        if last is not None and (last[0], last[1], last[3]) == (sigma, q, r):
+            self._history[-1] = (sigma, q, last[2] + n, r)
         else:
-            self._history.append((sigma, q, n))
+            self._history.append((sigma, q, n, r))
 
     @property
     def steps(self) -> int:
         """Total number of steps recorded (all runs, including noise-only ones)."""
-        return sum(n for _, _, n in self._history)
+        return sum(run[2] for run in self._history)
 
     @property
-    def history(self) -> list[tuple[float, float, int]]:
-        """A copy of the recorded runs ``(noise_multiplier, sample_rate, num_steps)``, oldest first."""
-        return list(self._history)
+    def history(self) -> list[tuple]:
+        """A copy of the recorded runs, oldest first: ``(noise_multiplier, sample_rate, num_steps)``, with a fourth
+        entry ``projections`` for DP-SGD-JL runs."""
+        return [run[:3] if math.isinf(run[3]) else run for run in self._history]
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon such that all recorded steps together are (epsilon, delta)-DP under add/remove-one adjacency.
@@ -267,7 +291,7 @@ class PrivacyAccountant:
         """
         return {
             "mechanism": self.mechanism,
-            "history": [[sigma, q, n] for sigma, q, n in self._history],
+            "history": [list(run) for run in self.history],
             "version": _STATE_VERSION,
         }
 
@@ -296,10 +320,10 @@ class PrivacyAccountant:
             raise ValueError(f"corrupt accountant state: history must be a list, got {type(history).__name__}")
         runs = []
         for i, entry in enumerate(history):
-            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+            if not isinstance(entry, (list, tuple)) or len(entry) not in (3, 4):
                 raise ValueError(
                     f"corrupt accountant state: history[{i}] = {entry!r}, expected [noise_multiplier, sample_rate, "
-                    "num_steps]"
+                    "num_steps] or, for DP-SGD-JL, [noise_multiplier, sample_rate, num_steps, projections]"
                 )
             try:
                 runs.append(
@@ -307,10 +331,14 @@ class PrivacyAccountant:
                         _check_noise_multiplier(entry[0]),
                         _check_sample_rate(entry[1]),
                         _count(entry[2], "num_steps", 0),
+                        _check_projections(entry[3]) if len(entry) == 4 else math.inf,
                     )
                 )
             except ValueError as err:
                 raise ValueError(f"corrupt accountant state: history[{i}] = {entry!r}: {err}") from None
+            if math.isfinite(runs[-1][3]) and self.mechanism == "rdp":
+                raise ValueError(f"corrupt accountant state: history[{i}] = {entry!r} is a DP-SGD-JL run in an 'rdp' "
+                                 "accountant (RDP cannot account it)")  # fmt: skip
         self._history = []
         self._cache = {}
         for run in runs:
@@ -330,9 +358,10 @@ def get_noise_multiplier(
     accountant: str = "rdp",
     epsilon_tolerance: float = 0.01,
     max_noise_multiplier: float = 1e4,
+    projections: float = math.inf,
 ) -> float:
-    """Smallest-ish noise multiplier sigma such that ``steps`` Poisson-subsampled Gaussian steps are
-    (target_epsilon, delta)-DP under add/remove-one adjacency.
+    """Smallest-ish noise multiplier sigma such that ``steps`` Poisson-subsampled Gaussian steps (DP-SGD-JL steps
+    with ``projections`` r, given a finite r) are (target_epsilon, delta)-DP under add/remove-one adjacency.
 
     Bisection on sigma (epsilon decreases with sigma). The result satisfies
     ``(1 - epsilon_tolerance) * target_epsilon <= epsilon(sigma) <= target_epsilon``; if epsilon(sigma) jumps
@@ -347,6 +376,7 @@ def get_noise_multiplier(
         accountant: ``"rdp"`` or ``"pld"``.
         epsilon_tolerance: relative slack below the target, in (0, 1).
         max_noise_multiplier: largest sigma tried; ``ValueError`` if even it does not reach the target.
+        projections: JL projections r of DP-SGD-JL (``"pld"`` only); ``math.inf``: exact norms.
 
     Returns:
         sigma = noise std / add-remove sensitivity of the noised sum.
@@ -358,6 +388,9 @@ def get_noise_multiplier(
     q = _check_sample_rate(sample_rate, allow_zero=False)
     steps = _count(steps, "steps", 1)
     accountant = _check_mechanism(accountant)
+    r = _check_projections(projections)
+    if math.isfinite(r):
+        _jl().check_jl_mechanism(accountant)
     tol = _real(epsilon_tolerance, "epsilon_tolerance")
     if not 0 < tol < 1:
         raise ValueError(f"epsilon_tolerance must be in (0, 1) (relative slack below the target), got {tol}")
@@ -366,7 +399,7 @@ def get_noise_multiplier(
         raise ValueError(f"max_noise_multiplier must be finite and > 0, got {sigma_max}")
 
     def epsilon(sigma: float) -> float:
-        return _epsilon([(sigma, q, steps)], delta, accountant)
+        return _epsilon([(sigma, q, steps, r)], delta, accountant)
 
     def unreachable(eps_at_max: float) -> ValueError:
         return ValueError(

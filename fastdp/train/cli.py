@@ -24,7 +24,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--variant", default=d.variant, choices=sorted(VARIANTS),
                    help="training variant: dpsgd = per-example clipping + Gaussian noise; clipless = Lipschitz "
                         "network, analytic per-layer bounds, no clipping (needs --model lipschitz_mlp); weightclip = "
-                        "Lip-DP-SGD, weight norms clipped to C (needs --model weightclip_mlp); backprop = "
+                        "Lip-DP-SGD, weight norms clipped to C (needs --model weightclip_mlp); jl = DP-SGD with "
+                        "per-example norms estimated from --projections JL projections (needs --accountant pld; "
+                        "DP-Adam-JL with --optimizer adam); backprop = "
                         "backpropagation clipping (inputs to C1, upstream gradients to C2); nonprivate = "
                         "plain SGD, for comparison (default: %(default)s)")  # fmt: skip
     datasets = "; ".join(f"{name}: {text}" for name, text in DATASETS.items())
@@ -56,6 +58,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sigma: noise std on the clipped gradient sum is sigma * C (instead of --epsilon)")  # fmt: skip
     g.add_argument("--clip-norm", type=float, default=d.clip_norm,
                    help="C: per-example gradient L2 norm bound (default: %(default)s)")  # fmt: skip
+    g.add_argument("--projections", type=int, default=d.projections,
+                   help="jl: r, Gaussian JL projections per step behind each per-example norm estimate; more is "
+                        "slower (one jvp each) and closer to DP-SGD's epsilon (default: %(default)s)")  # fmt: skip
     g.add_argument("--input-bound", type=float, default=None,
                    help="clipless / Lipschitz models: X_0, each example's input is projected onto the L2 ball of this "
                         "radius (default sqrt(number of features))")  # fmt: skip

@@ -46,6 +46,7 @@ class TrainConfig:
     optimizer: str = "sgd"
     momentum: float = 0.0
     clip_norm: float = 1.0
+    projections: int = 10  # jl: r, the JL projections per step behind each per-example norm estimate
     input_bound: float | None = None  # Lipschitz models: X_0, inputs projected onto this L2 ball (default sqrt(d))
     input_clip: float = 1.0  # backprop: C1, each example's input to every trainable layer is clipped to this norm
     max_weight_norm: float = 1.0  # weightclip: C, the bound kept on each layer's spectral norm
@@ -87,6 +88,13 @@ class TrainConfig:
                 f"variant {self.variant!r} is private: give --epsilon (the noise is calibrated to reach it) "
                 "or --noise-multiplier (epsilon is then reported)"
             )
+        if self.variant == "jl" and self.accountant == "rdp":
+            raise ValueError(
+                "variant jl needs --accountant pld: with JL-estimated norms a step's sensitivity is random, its "
+                "privacy loss has moments only below r/2, and RDP cannot account it (papers/03 §2.1)"
+            )
+        if isinstance(self.projections, bool) or not isinstance(self.projections, int) or self.projections < 1:
+            raise ValueError(f"projections (JL dimension r) must be an integer >= 1, got {self.projections!r}")
         if self.resume and not self.checkpoint:
             raise ValueError("--resume needs --checkpoint PATH")
 
@@ -147,6 +155,7 @@ class Trainer:
             self.sampler = PoissonSampler(n, config.batch_size / n, seed=config.seed, secure=config.secure)
         self.total_steps = config.epochs * len(self.sampler)
         self.accountant = PrivacyAccountant(config.accountant)
+        self.projections = VARIANTS[config.variant].accounting_projections(config)
         self.noise_multiplier = self._noise_multiplier()
         self.variant = self._make_variant()
         self.physical = physical_batch_size(n, self.sampler.sample_rate) if config.pad else None
@@ -161,9 +170,8 @@ class Trainer:
             return None
         if config.noise_multiplier is not None:
             return config.noise_multiplier
-        return get_noise_multiplier(
-            config.epsilon, config.delta, self.sampler.sample_rate, self.total_steps, accountant=config.accountant
-        )
+        return get_noise_multiplier(config.epsilon, config.delta, self.sampler.sample_rate, self.total_steps,
+                                    accountant=config.accountant, projections=self.projections)  # fmt: skip
 
     def _make_variant(self) -> Variant:
         config = self.config
@@ -201,7 +209,7 @@ class Trainer:
 
         def eps(steps: int) -> float:
             probe = PrivacyAccountant(self.config.accountant)
-            probe.step(sigma, q, steps)
+            probe.step(sigma, q, steps, projections=self.projections)
             return probe.get_epsilon(self.config.delta)
 
         if eps(self.total_steps) <= target:
@@ -232,7 +240,7 @@ class Trainer:
                 self.variant.after_step(self.model)
                 event = self.variant.privacy_event()
                 if event is not None:
-                    self.accountant.step(*event)
+                    self.accountant.step(*event, projections=self.projections)
                 self.step += 1
                 steps.update(1)
             steps.close()

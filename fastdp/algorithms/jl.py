@@ -1,0 +1,214 @@
+"""DP-SGD-JL (Bu et al. 2021, papers/03): per-example norms estimated from r Johnson-Lindenstrauss projections.
+
+One step, for the batch B (Poisson-sampled with rate q from N examples), with F(theta) = (loss_1, ..., loss_B):
+    v_1..v_r ~ N(0, I_d)                       fresh each step, shared by the batch, independent of the data
+    P_ij     = <grad loss_i, v_j>              r forward-mode jvp's of F (``torch.func.jvp``), no per-example grads
+    M_i      = sqrt((1/r) sum_j P_ij^2)         E[M_i^2] = ||grad loss_i||^2,  M_i / ||g_i|| ~ sqrt(chi2_r / r)
+    w_i      = min(1, C / (M_i + 1e-6))          constants (no gradient flows through them)
+    G        = grad of sum_i w_i loss_i  + N(0, (sigma C)^2 I)       one ordinary backward
+    grad     = G / (q N)
+
+The tangents come from fastdp's counter-based noise stream under a key of their own (the noise seed mixed with a
+constant), counter ``step * r + j``: they are generated on the device, one at a time, never stored r x d, and never
+reused across steps; ``secure`` draws them from OS entropy like the noise.
+
+Privacy. w_i g_i can exceed C when M_i under-estimates ||g_i||, so a step is not a Gaussian mechanism with
+sensitivity C: it is dominated by a Gaussian mechanism whose sensitivity Z_r = (chi2_r / r)^(-1/2) is random and
+revealed (papers/03 Thm B.7). The accountant is the PLD of that mixture (``fastdp.privacy.jl``); RDP cannot account
+it (its privacy loss has moments only below r/2) and is refused. DP-Adam-JL is this gradient fed to Adam (the
+trainer's ``--optimizer adam``; torch's Adam, whose second-moment bias correction uses beta2 — the paper's
+Algorithm 2 misprints beta1 there).
+
+Layers that mix examples (batch statistics in training mode) or draw randomness in the forward pass (dropout in
+training mode) are refused: the jvp forwards and the backward would see different functions, and the estimates
+would then be of some other gradient's norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.func import functional_call, jvp, vmap
+
+from fastdp.algorithms.base import (
+    Batch,
+    Variant,
+    per_example_cross_entropy,
+    release_noisy_mean,
+    sum_dtype,
+    trainable_parameters,
+)
+from fastdp.ops import add_noise_
+
+NORM_EPS = 1e-6  # in the clip factor's denominator, as in DP-SGD
+TANGENT_KEY = 0x4A4C_7461_6E67_656E  # mixed into the noise seed: the tangents' own stream ("JLtangen")
+SEED_MASK = (1 << 63) - 1
+_STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
+
+
+def check_deterministic_per_example(model: nn.Module) -> None:
+    """Refuse modules that make the per-example loss depend on other examples or on fresh randomness."""
+    bad = [f"{n or '<model>'} ({type(m).__name__})" for n, m in model.named_modules()
+           if m.training and isinstance(m, _STOCHASTIC + _MIXING)]  # fmt: skip
+    if bad:
+        raise ValueError(
+            "DP-SGD-JL needs each example's loss to be a fixed function of the parameters during a step, but these "
+            "layers use batch statistics or dropout in training mode: " + ", ".join(bad) + ". Use GroupNorm or "
+            "LayerNorm instead of batch statistics, and drop dropout (or put those layers in eval mode)."
+        )
+
+
+def tangent_seed(seed: int) -> int:
+    """Key of the tangent stream for noise seed ``seed`` (a different Philox key: independent of the noise)."""
+    return (seed ^ TANGENT_KEY) & SEED_MASK
+
+
+def draw_tangents(
+    params: list[torch.Tensor], seed: int, step: int, projections: int, first: int, count: int, secure: bool
+) -> list[torch.Tensor]:
+    """Tangents ``first .. first + count - 1`` of ``step``: one [count, *p.shape] N(0, 1) tensor per parameter.
+
+    Tangent j is counter ``step * projections + j`` of the tangent stream, whatever the chunking."""
+    out = [torch.zeros(count, *p.shape, dtype=sum_dtype(p), device=p.device) for p in params]
+    for k in range(count):
+        rows = [t[k] for t in out]
+        if secure:
+            add_noise_(rows, 1.0, secure=True)
+        else:
+            add_noise_(rows, 1.0, seed=tangent_seed(seed), offset=step * projections + first + k)
+    return [t.to(p.dtype) for t, p in zip(out, params, strict=True)]
+
+
+def jl_projections(
+    model: nn.Module,
+    loss_fn,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    projections: int,
+    seed: int,
+    step: int,
+    secure: bool = False,
+    chunk: int = 8,
+) -> torch.Tensor:
+    """P [B, r] with P_ij = <grad of example i's loss, v_j>, from forward-mode jvp's of the per-example loss vector.
+
+    ``chunk`` tangents at a time go through one vmapped jvp (the primal forward is shared by the chunk)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    fixed = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    fixed.update(dict(model.named_buffers()))
+
+    def losses(trainable: dict) -> torch.Tensor:
+        return loss_fn(functional_call(model, {**trainable, **fixed}, (x,)), y)
+
+    def project(*tangent: torch.Tensor) -> torch.Tensor:
+        return jvp(losses, (params,), (dict(zip(names, tangent, strict=True)),))[1]
+
+    columns = []
+    for first in range(0, projections, chunk):
+        count = min(chunk, projections - first)
+        tangents = draw_tangents([params[n] for n in names], seed, step, projections, first, count, secure)
+        columns.append(vmap(project)(*tangents).t())  # [B, count]
+    return torch.cat(columns, dim=1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
+def norm_estimates(p: torch.Tensor) -> torch.Tensor:
+    """M_i = sqrt(mean_j P_ij^2): the JL estimate of each example's gradient norm."""
+    return p.pow(2).mean(dim=1).sqrt()
+
+
+def reweighted_gradient_sum(
+    model: nn.Module, loss_fn, batch: Batch, weights: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(gradient of sum_i w_i loss_i per trainable parameter, in ``sum_dtype``; the summed loss of the real rows).
+
+    One forward and one ordinary backward; ``weights`` [B] are constants (detached) and should be 0 on padding."""
+    params = trainable_parameters(model)
+    losses = loss_fn(model(batch.x), batch.y)
+    grads = torch.autograd.grad((losses * weights.detach().to(losses.dtype)).sum(), params, allow_unused=True)
+    sums = [torch.zeros_like(p, dtype=sum_dtype(p)) if g is None else g.to(sum_dtype(p))
+            for p, g in zip(params, grads, strict=True)]  # fmt: skip
+    return sums, (losses.detach() * batch.mask).sum()
+
+
+class JL(Variant):
+    """DP-SGD-JL: clip factors from r JL norm estimates; noise std sigma * C on the sum; its own accountant."""
+
+    name = "jl"
+    private = True
+
+    def __init__(
+        self,
+        clip_norm: float,
+        noise_multiplier: float,
+        sample_rate: float,
+        num_examples: int,
+        projections: int = 10,
+        seed: int = 0,
+        secure: bool = False,
+        loss_fn=per_example_cross_entropy,
+        chunk: int = 8,
+    ) -> None:
+        super().__init__(loss_fn)
+        if not (math.isfinite(clip_norm) and clip_norm > 0):
+            raise ValueError(f"clip norm C must be finite and > 0, got {clip_norm}")
+        if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(f"noise multiplier must be finite and >= 0, got {noise_multiplier}")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+        if isinstance(projections, bool) or not isinstance(projections, int) or projections < 1:
+            raise ValueError(
+                f"JL projections r must be an integer >= 1, got {projections!r} (exact norms: use the dpsgd variant)"
+            )
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk (tangents per vmapped jvp) must be an integer >= 1, got {chunk!r}")
+        self.clip_norm = float(clip_norm)
+        self.noise_multiplier = float(noise_multiplier)
+        self.sample_rate = float(sample_rate)
+        self.expected_batch_size = self.sample_rate * num_examples
+        self.projections = projections
+        self.seed, self.secure, self.chunk = seed, secure, chunk
+
+    @classmethod
+    def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> JL:
+        return cls(config.clip_norm, noise_multiplier, sample_rate, num_examples, projections=config.projections,
+                   seed=noise_seed, secure=config.secure)  # fmt: skip
+
+    @classmethod
+    def accounting_projections(cls, config) -> float:
+        return config.projections
+
+    def clip_weights(self, model: nn.Module, batch: Batch, step: int) -> torch.Tensor:
+        """w_i = min(1, C / (M_i + 1e-6)) on real rows, 0 on padding."""
+        check_deterministic_per_example(model)
+        p = jl_projections(model, self.loss_fn, batch.x, batch.y, self.projections, self.seed, step, self.secure,
+                           self.chunk)  # fmt: skip
+        weights = (self.clip_norm / (norm_estimates(p) + NORM_EPS)).clamp(max=1.0)
+        return weights * batch.mask.to(weights.dtype)
+
+    def gradient(self, model: nn.Module, batch: Batch, step: int) -> torch.Tensor:
+        params = trainable_parameters(model)
+        if batch.x.shape[0] == 0:
+            sums = [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params]
+            loss = torch.zeros((), device=batch.x.device)
+        else:
+            sums, loss = reweighted_gradient_sum(model, self.loss_fn, batch, self.clip_weights(model, batch, step))
+        stds = [self.noise_multiplier * self.clip_norm] * len(params)
+        release_noisy_mean(params, sums, stds, self.expected_batch_size, self.seed, step, self.secure)
+        return loss
+
+    def privacy_event(self) -> tuple[float, float]:
+        return self.noise_multiplier, self.sample_rate
+
+    def describe(self) -> dict:
+        return {
+            "variant": self.name,
+            "clip_norm": self.clip_norm,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "expected_batch_size": self.expected_batch_size,
+            "projections": self.projections,
+        }

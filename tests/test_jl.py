@@ -1,0 +1,217 @@
+"""DP-SGD-JL: jvp projections, the norm estimator's law, re-weighting, tangents, noise, refusals."""
+
+import json
+import math
+
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+
+from fastdp.algorithms import DPSGD, Batch
+from fastdp.algorithms.base import per_example_cross_entropy as loss_fn
+from fastdp.algorithms.dpsgd import clipped_gradient_sum, per_example_gradients
+from fastdp.algorithms.jl import (
+    JL,
+    draw_tangents,
+    jl_projections,
+    norm_estimates,
+    reweighted_gradient_sum,
+    tangent_seed,
+)
+from fastdp.privacy.accounting import PrivacyAccountant, get_noise_multiplier
+from fastdp.privacy.jl import jl_epsilon, jl_epsilon_of_runs
+from fastdp.train.trainer import TrainConfig, Trainer, train
+
+
+def _model(kind="mlp"):
+    torch.manual_seed(0)
+    if kind == "cnn":
+        return nn.Sequential(nn.Conv2d(1, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3))
+    if kind == "tokens":
+        return nn.Sequential(nn.Embedding(11, 4), nn.LayerNorm(4), nn.Flatten(), nn.Linear(4 * 5, 3))
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _data(kind="mlp", b=7, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "cnn":
+        x = torch.randn(b, 1, 6, 6, generator=gen)
+    elif kind == "tokens":
+        x = torch.randint(0, 11, (b, 5), generator=gen)
+    else:
+        x = torch.randn(b, 6, generator=gen)
+    return x, torch.randint(0, 3, (b,), generator=gen)
+
+
+def _flat_per_example(model, x, y):
+    return torch.cat([g.reshape(g.shape[0], -1) for g in per_example_gradients(model, loss_fn, x, y)], dim=1)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "tokens"])
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_jvp_projections_equal_per_example_gradient_dot_tangent(kind, chunk):
+    model = _model(kind)
+    x, y = _data(kind)
+    r, seed, step = 5, 123, 4
+    p = jl_projections(model, loss_fn, x, y, r, seed, step, chunk=chunk)
+    params = [q for q in model.parameters() if q.requires_grad]
+    tangents = draw_tangents(params, seed, step, r, 0, r, secure=False)
+    v = torch.cat([t.reshape(r, -1) for t in tangents], dim=1)  # [r, d]
+    expected = _flat_per_example(model, x, y) @ v.t()
+    torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_tangents_are_fresh_per_step_shared_by_chunks_and_independent_of_the_noise_key():
+    params = [torch.zeros(4, 5), torch.zeros(3)]
+    a = draw_tangents(params, 9, step=2, projections=4, first=0, count=4, secure=False)
+    b = draw_tangents(params, 9, step=2, projections=4, first=2, count=2, secure=False)
+    torch.testing.assert_close(a[0][2:], b[0], rtol=0, atol=0)  # tangent j does not depend on the chunking
+    c = draw_tangents(params, 9, step=3, projections=4, first=0, count=4, secure=False)
+    assert not torch.equal(a[0], c[0])  # fresh every step
+    assert tangent_seed(9) != 9 and 0 <= tangent_seed(2**63 - 1) < 2**63
+    s1 = draw_tangents(params, 9, 0, 1, 0, 1, secure=True)
+    s2 = draw_tangents(params, 9, 0, 1, 0, 1, secure=True)
+    assert not torch.equal(s1[0], s2[0])  # OS entropy
+
+
+def test_norm_estimate_is_unbiased_and_follows_the_chi_law():
+    """E[M^2] = ||g||^2 and M / ||g|| ~ sqrt(chi2_r / r) (papers/03 Prop 2.1), over fresh tangents per step."""
+    model = _model()
+    x, y = _data(b=4)
+    true = _flat_per_example(model, x, y).norm(dim=1)
+    r, steps = 3, 250
+    ratios = torch.stack([norm_estimates(jl_projections(model, loss_fn, x, y, r, 5, s)) / true for s in range(steps)])
+    mean_sq = ratios.pow(2).mean().item()
+    assert abs(mean_sq - 1) < 4 * math.sqrt(2 / r / ratios.numel()), mean_sq  # std of chi2_r / r is sqrt(2 / r)
+    law = stats.chi(r, scale=1 / math.sqrt(r))
+    assert stats.kstest(ratios.flatten().double().numpy(), law.cdf).pvalue > 1e-3
+
+
+def test_reweighted_backward_equals_weighted_sum_of_per_example_gradients():
+    model = _model("cnn")
+    x, y = _data("cnn")
+    w = torch.rand(x.shape[0])
+    sums, _ = reweighted_gradient_sum(model, loss_fn, Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool)), w)
+    per = per_example_gradients(model, loss_fn, x, y)
+    for s, g in zip(sums, per, strict=True):
+        torch.testing.assert_close(s, torch.einsum("b,b...->...", w, g), rtol=1e-5, atol=1e-6)
+
+
+def test_with_exact_norms_the_update_is_dpsgds():
+    """Replacing M_i by the true norms gives DP-SGD's clipped sum and, with the same noise seed, its update."""
+    model = _model()
+    x, y = _data(b=9)
+    batch = Batch(x, y, torch.ones(9, dtype=torch.bool))
+    clip = 0.05
+    jl = JL(clip, 0.7, sample_rate=0.1, num_examples=90, projections=4, seed=11)
+    exact = _flat_per_example(model, x, y).norm(dim=1)
+    jl.clip_weights = lambda *_: (clip / (exact + 1e-6)).clamp(max=1.0)
+    jl.gradient(model, batch, step=3)
+    ours = [p.grad.clone() for p in model.parameters()]
+    sums, _ = clipped_gradient_sum(model, loss_fn, batch, clip)
+    torch.testing.assert_close(reweighted_gradient_sum(model, loss_fn, batch, jl.clip_weights())[0], sums,
+                               rtol=1e-5, atol=1e-7)  # fmt: skip
+    DPSGD(clip, 0.7, sample_rate=0.1, num_examples=90, seed=11, mode="reference").gradient(model, batch, step=3)
+    for a, p in zip(ours, model.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_noise_std_on_the_mean_is_sigma_c_over_expected_batch():
+    model = nn.Sequential(nn.Linear(200, 100))
+    x, y = _data(b=3)
+    x = torch.randn(3, 200)
+    batch = Batch(x, y, torch.zeros(3, dtype=torch.bool))  # all padding: the released gradient is pure noise
+    sigma, clip, q, n = 1.3, 0.4, 0.05, 200
+    JL(clip, sigma, q, n, projections=2, seed=3).gradient(model, batch, step=0)
+    noise = torch.cat([p.grad.flatten() for p in model.parameters()])
+    expected = sigma * clip / (q * n)
+    assert abs(noise.std().item() / expected - 1) < 0.03
+    assert abs(noise.mean().item()) < 4 * expected / math.sqrt(noise.numel())
+
+
+def test_clip_weights_bound_the_estimated_norm_and_zero_padding():
+    model = _model()
+    x, y = _data(b=6)
+    x = 100 * x
+    mask = torch.tensor([True, True, False, True, True, False])
+    jl = JL(0.1, 1.0, 0.1, 60, projections=3, seed=0)
+    w = jl.clip_weights(model, Batch(x, y, mask), step=0)
+    m = norm_estimates(jl_projections(model, loss_fn, x, y, 3, 0, 0))
+    assert torch.all(w[~mask] == 0)
+    assert torch.all(w[mask] * m[mask] <= 0.1 * (1 + 1e-6))
+    assert torch.all(w <= 1)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="projections r must be an integer >= 1"):
+        JL(1.0, 1.0, 0.1, 10, projections=0)
+    with pytest.raises(ValueError, match="projections r must be an integer >= 1"):
+        JL(1.0, 1.0, 0.1, 10, projections=2.5)
+    with pytest.raises(ValueError, match="clip norm"):
+        JL(0.0, 1.0, 0.1, 10)
+    x, y = _data(b=4)
+    for layer in (nn.Dropout(0.1), nn.BatchNorm1d(8)):
+        model = nn.Sequential(nn.Linear(6, 8), layer, nn.Linear(8, 3))
+        with pytest.raises(ValueError, match="batch statistics or dropout"):
+            JL(1.0, 1.0, 0.1, 40, projections=2).gradient(model, Batch(x, y, torch.ones(4, dtype=torch.bool)), 0)
+    model.eval()  # public statistics and no dropout: allowed
+    JL(1.0, 1.0, 0.1, 40, projections=2).gradient(model, Batch(x, y, torch.ones(4, dtype=torch.bool)), 0)
+
+
+def test_empty_batch_releases_noise_only():
+    model = _model()
+    jl = JL(1.0, 1.0, 0.5, 10, projections=2)
+    empty = Batch(torch.zeros(0, 6), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+    loss = jl.gradient(model, empty, 0)
+    assert loss.item() == 0 and all(p.grad is not None for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------- accounting, trainer
+
+FAST = dict(dataset="breast_cancer", epochs=3, batch_size=64, lr=0.5, momentum=0.9, quiet=True, progress=False)
+
+
+def test_accountant_records_jl_steps_with_their_own_privacy_curve():
+    acc = PrivacyAccountant("pld")
+    acc.step(1.0, 0.05, 40, projections=10)
+    acc.step(1.0, 0.05, 10)
+    assert acc.history == [(1.0, 0.05, 40, 10.0), (1.0, 0.05, 10)]
+    eps = acc.get_epsilon(1e-5)
+    assert eps == pytest.approx(jl_epsilon_of_runs([(1.0, 0.05, 10, 40), (1.0, 0.05, math.inf, 10)], 1e-5))
+    gaussian = PrivacyAccountant("pld")
+    gaussian.step(1.0, 0.05, 50)
+    assert eps > gaussian.get_epsilon(1e-5)  # estimated norms cost privacy
+    restored = PrivacyAccountant("pld")
+    restored.load_state_dict(json.loads(json.dumps(acc.state_dict())))
+    assert restored.history == acc.history and restored.get_epsilon(1e-5) == eps
+    with pytest.raises(ValueError, match="RDP cannot account DP-SGD-JL"):
+        PrivacyAccountant("rdp").step(1.0, 0.05, 1, projections=10)
+    with pytest.raises(ValueError, match="DP-SGD-JL run in an 'rdp' accountant"):
+        PrivacyAccountant("rdp").load_state_dict({**acc.state_dict(), "mechanism": "rdp"})
+    with pytest.raises(ValueError, match="RDP cannot account DP-SGD-JL"):
+        get_noise_multiplier(3.0, 1e-5, 0.05, 100, accountant="rdp", projections=10)
+
+
+def test_calibrated_sigma_reaches_the_target_under_the_jl_curve():
+    sigma = get_noise_multiplier(3.0, 1e-5, 0.05, 100, accountant="pld", projections=10)
+    exact = get_noise_multiplier(3.0, 1e-5, 0.05, 100, accountant="pld")
+    assert sigma > exact
+    assert 0.97 * 3.0 <= jl_epsilon(sigma, 0.05, 10, 100, 1e-5) <= 3.0
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])  # adam: DP-Adam-JL (torch's Adam, beta2 bias correction)
+def test_jl_training_reaches_its_epsilon_and_learns(optimizer):
+    lr = 0.5 if optimizer == "sgd" else 0.05
+    result = train(TrainConfig(variant="jl", accountant="pld", epsilon=3.0, projections=10, optimizer=optimizer,
+                               **{**FAST, "lr": lr}))  # fmt: skip
+    assert 0.97 * 3.0 <= result["epsilon"] <= 3.0
+    assert result["variant_config"]["projections"] == 10
+    assert result["test_accuracy"] > 0.8
+
+
+def test_jl_training_refuses_rdp_and_bad_projections():
+    with pytest.raises(ValueError, match="needs --accountant pld"):
+        Trainer(TrainConfig(variant="jl", epsilon=3.0, **FAST))
+    with pytest.raises(ValueError, match="projections"):
+        Trainer(TrainConfig(variant="jl", accountant="pld", epsilon=3.0, projections=0, **FAST))
