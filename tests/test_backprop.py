@@ -93,3 +93,39 @@ def test_backprop_trains_on_breast_cancer():
                                progress=False))  # fmt: skip
     assert result["epsilon"] <= 3.0 and result["variant"] == "backprop"
     assert result["test_auroc"] > 0.85
+
+
+@pytest.mark.parametrize("kind", ["mlp", "tokens", "cnn"])
+def test_every_layer_input_is_clipped_to_c1_in_the_forward(kind, monkeypatch):
+    """What each trainable layer multiplies with its weight has per-example L2 norm <= C1."""
+    torch.manual_seed(1)
+    if kind == "cnn":
+        model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+        x = 30 * torch.randn(9, 2, 8, 8)
+    elif kind == "tokens":
+        model, x = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), 30 * torch.randn(9, 4, 6)
+    else:
+        model, x = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), 30 * torch.randn(9, 6)
+    convert_backprop(model, input_clip=0.25, grad_clip=1.0)
+    seen = []
+    for name in ("linear", "conv2d"):
+        original = getattr(nn.functional, name)
+        monkeypatch.setattr(nn.functional, name, lambda inp, *a, _f=original, **k: seen.append(inp) or _f(inp, *a, **k))
+    model(x)
+    assert len(seen) == sum(isinstance(m, (nn.Linear, nn.Conv2d)) for m in model)
+    for inp in seen:
+        assert inp.reshape(inp.shape[0], -1).norm(dim=1).max() <= 0.25 * (1 + 1e-6)
+
+
+def test_zero_noise_and_loose_clips_is_plain_sgd_bit_for_bit():
+    torch.manual_seed(2)
+    make = lambda: nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 4))  # noqa: E731
+    model, plain = make(), make()
+    plain.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 1, 6, 6), torch.randint(0, 4, (8,))
+    q, n = 0.1, 80
+    BackpropClip(1e30, 1e30, 0.0, q, n).gradient(model, Batch(x, y, torch.ones(8, dtype=torch.bool)), step=0)
+    losses = nn.functional.cross_entropy(plain(x), y, reduction="none")
+    grads = torch.autograd.grad(losses.sum(), list(plain.parameters()))
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g / (q * n))
