@@ -86,6 +86,9 @@ class BackpropClip(Variant):
         per_tensor = self.noise_multiplier * math.sqrt(max(self.tensors, 1))
         return zcdp_to_epsilon(zcdp_rho(per_tensor, epochs * max(self.tensors, 1)), delta)
 
+    def comparison_epsilons(self, epochs: int, delta: float) -> dict[str, float]:
+        return {"zcdp_paper": self.zcdp_epsilon(epochs, delta)}
+
     def describe(self) -> dict:
         return {
             "variant": self.name,

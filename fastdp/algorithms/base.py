@@ -72,6 +72,10 @@ class Variant(abc.ABC):
         """(noise multiplier, sample rate) of one step for the accountant; None if not private."""
         return None
 
+    def comparison_epsilons(self, epochs: int, delta: float) -> dict[str, float]:
+        """Epsilons of other accountings (e.g. a paper's), reported beside fastdp's guarantee, never instead of it."""
+        return {}
+
     def describe(self) -> dict:
         """Hyperparameters that define the variant, for reports and checkpoints."""
         return {"variant": self.name}

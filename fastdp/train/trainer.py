@@ -320,6 +320,8 @@ class Trainer:
             "config": {k: v for k, v in dataclasses.asdict(c).items() if k != "extra"},
             "history": self.history,
         }
+        if self.private:
+            result["comparison_epsilons"] = self.variant.comparison_epsilons(self.epoch, c.delta)
         if self.private and result["sampling"] == "shuffle":
             result["note"] = (
                 "batches were shuffled, not Poisson-sampled: the reported epsilon assumes Poisson sampling "
