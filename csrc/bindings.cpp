@@ -7,8 +7,10 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu/clip.h"
 #include "cpu/noise.h"
 #include "cpu/norms.h"
+#include "fastdp/clip.h"
 #include "fastdp/noise.h"
 #include "fastdp/norms.h"
 
@@ -16,6 +18,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "cuda/clip.h"
 #include "cuda/noise.h"
 #include "cuda/norms.h"
 #include "cuda/orthogonal.h"
@@ -187,6 +190,91 @@ std::tuple<at::Tensor, at::Tensor> clip_factors(const at::Tensor& sq_norms, doub
 #endif
 }
 
+// The [B, C, P] work description of a clip input: 3-D, contiguous, fp32/fp16/bf16 (float64 runs the reference).
+ClipShape clip_shape(const char* op, const at::Tensor& x, bool l15) {
+  TORCH_CHECK(x.dim() == 3, "fastdp ", op, ": x must be [B, C, P] (rows, channels, positions), got ", x.sizes());
+  TORCH_CHECK(x.is_contiguous(), "fastdp ", op, ": x must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "fastdp ", op, ": x must be float32, float16 or bfloat16, got ", x.scalar_type(),
+              " (float64 runs the torch reference)");
+  return ClipShape{x.size(0), x.size(1), x.size(2), l15 ? ClipNorm::kL15 : ClipNorm::kL2};
+}
+
+void check_bound(const char* op, double bound) {
+  TORCH_CHECK(std::isfinite(bound) && bound > 0, "fastdp ", op, ": bound must be finite and > 0, got ", bound);
+}
+
+#ifdef FASTDP_WITH_CUDA
+// Blocks per row on CUDA: 1 (a block per row), or every chunk of the row when long rows are too few to fill
+// the GPU (fewer than 4 per SM).
+int64_t clip_cuda_chunks(const ClipShape& s, const at::Device& device) {
+  const int64_t chunks = clip_chunks_per_row(s);
+  const int64_t sms = at::cuda::getDeviceProperties(device.index())->multiProcessorCount;
+  return chunks > 1 && s.rows < 4 * sms ? chunks : 1;
+}
+#endif
+
+// y [B, C, P] = x with each row b scaled to norm <= bound: y_b = min(1, bound / max(n_b, 1e-12)) x_b, n_b the l2
+// norm of the row (l15 = false) or the l15 norm sqrt(sum_c (sum_p |x_bcp|)^2). See csrc/include/fastdp/clip.h.
+at::Tensor clip_rows(const at::Tensor& x, double bound, bool l15) {
+  const ClipShape shape = clip_shape("clip_rows", x, l15);
+  check_bound("clip_rows", bound);
+  at::Tensor y = at::empty_like(x);
+  if (x.numel() == 0) return y;
+  const ScalarKind kind = scalar_kind(x);
+  if (x.device().is_cpu()) {
+    clip_rows_cpu(x.data_ptr(), y.data_ptr(), shape, static_cast<float>(bound), kind);
+    return y;
+  }
+#ifdef FASTDP_WITH_CUDA
+  TORCH_CHECK(x.device().is_cuda(), "fastdp clip_rows: unsupported device ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t chunks = clip_cuda_chunks(shape, x.device());
+  at::Tensor partial = at::empty({chunks > 1 ? shape.rows * chunks : 0}, x.options().dtype(at::kFloat));
+  const cudaError_t err =
+      launch_clip_rows_cuda(x.data_ptr(), y.data_ptr(), shape, static_cast<float>(bound), kind, chunks,
+                            chunks > 1 ? partial.data_ptr<float>() : nullptr, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "fastdp clip_rows: CUDA launch failed: ", cudaGetErrorString(err));
+  return y;
+#else
+  TORCH_CHECK(false, "fastdp clip_rows: fastdp._C was built without CUDA; tensors are on ", x.device());
+#endif
+}
+
+// dx [B, C, P]: the gradient w.r.t. x of clip_rows(x, bound, l15) for the upstream gradient grad (same shape,
+// dtype and device as x, contiguous). See csrc/include/fastdp/clip.h.
+at::Tensor clip_rows_backward(const at::Tensor& grad, const at::Tensor& x, double bound, bool l15) {
+  const ClipShape shape = clip_shape("clip_rows_backward", x, l15);
+  check_bound("clip_rows_backward", bound);
+  TORCH_CHECK(grad.sizes() == x.sizes(), "fastdp clip_rows_backward: grad is ", grad.sizes(), " but x is ",
+              x.sizes());
+  TORCH_CHECK(grad.scalar_type() == x.scalar_type(), "fastdp clip_rows_backward: grad is ", grad.scalar_type(),
+              " but x is ", x.scalar_type());
+  TORCH_CHECK(grad.device() == x.device(), "fastdp clip_rows_backward: grad is on ", grad.device(), " but x on ",
+              x.device());
+  TORCH_CHECK(grad.is_contiguous(), "fastdp clip_rows_backward: grad must be contiguous");
+  at::Tensor dx = at::empty_like(x);
+  if (x.numel() == 0) return dx;
+  const ScalarKind kind = scalar_kind(x);
+  if (x.device().is_cpu()) {
+    clip_rows_backward_cpu(grad.data_ptr(), x.data_ptr(), dx.data_ptr(), shape, static_cast<float>(bound), kind);
+    return dx;
+  }
+#ifdef FASTDP_WITH_CUDA
+  TORCH_CHECK(x.device().is_cuda(), "fastdp clip_rows_backward: unsupported device ", x.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t chunks = clip_cuda_chunks(shape, x.device());
+  at::Tensor partial = at::empty({chunks > 1 ? 2 * shape.rows * chunks : 0}, x.options().dtype(at::kFloat));
+  const cudaError_t err = launch_clip_rows_backward_cuda(
+      grad.data_ptr(), x.data_ptr(), dx.data_ptr(), shape, static_cast<float>(bound), kind, chunks,
+      chunks > 1 ? partial.data_ptr<float>() : nullptr, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "fastdp clip_rows_backward: CUDA launch failed: ", cudaGetErrorString(err));
+  return dx;
+#else
+  TORCH_CHECK(false, "fastdp clip_rows_backward: fastdp._C was built without CUDA; tensors are on ", x.device());
+#endif
+}
+
 #ifdef FASTDP_WITH_CUDA
 // Element kind of a spectral/orthogonal kernel input (fp32, fp16, bf16; float64 runs the reference).
 ScalarKind matrix_scalar_kind(const char* op, const at::Tensor& t, size_t index) {
@@ -254,33 +342,71 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> power_i
   return {sigma, us, vs};
 }
 
-// `iters` Björck steps W <- (1 + beta) W - beta W (W^T W) on one matrix w [m, n] (CUDA,
-// contiguous, non-empty, fp32/fp16/bf16), fp32 math, with the smaller Gram matrix (a wide w is
-// transposed first, as the reference and the Triton path). Returns a new contiguous matrix of
-// w's shape and dtype.
-at::Tensor bjorck_cuda(const at::Tensor& w, int64_t iters, double beta) {
-  TORCH_CHECK(w.dim() == 2 && w.numel() > 0, "fastdp bjorck_cuda: w must be a non-empty 2-D matrix, got shape ",
-              w.sizes());
-  TORCH_CHECK(w.device().is_cuda(), "fastdp bjorck_cuda: w must be a CUDA tensor, got ", w.device());
-  TORCH_CHECK(w.is_contiguous(), "fastdp bjorck_cuda: w is not contiguous");
-  matrix_scalar_kind("bjorck_cuda", w, 0);
+// `iters` Björck steps W <- (1 + beta) W - beta W (W^T W) on every matrix of `weights` (CUDA, one device,
+// contiguous, non-empty, fp32/fp16/bf16, mixed allowed), fp32 math, with the smaller Gram matrix (a wide w is
+// transposed first, as the reference and the Triton path), in 2 iters launches over the whole list
+// (csrc/cuda/orthogonal.h). Returns new contiguous matrices of the inputs' shapes and dtypes.
+std::vector<at::Tensor> bjorck_cuda(const std::vector<at::Tensor>& weights, int64_t iters, double beta) {
+  const size_t count = weights.size();
+  TORCH_CHECK(count > 0 && count <= 65535, "fastdp bjorck_cuda: pass 1 to 65535 matrices, got ", count);
   TORCH_CHECK(iters >= 1 && iters <= 0x7fffffffLL, "fastdp bjorck_cuda: iters must be in [1, 2^31), got ", iters);
   TORCH_CHECK(std::isfinite(beta) && beta > 0 && beta <= 1, "fastdp bjorck_cuda: beta must be in (0, 1], got ", beta);
-  const c10::cuda::CUDAGuard guard(w.device());
-  const bool wide = w.size(0) < w.size(1);
-  const at::Tensor x = wide ? w.t() : w;  // [m, n], m >= n
-  const int64_t m = x.size(0), n = x.size(1);
-  const at::TensorOptions f32 = w.options().dtype(at::kFloat);
-  at::Tensor buf = at::empty({2, m, n}, f32);
-  buf[0].copy_(x);
-  at::Tensor gram = at::empty({n, n}, f32);  // workspace
-  const cudaError_t err = launch_bjorck_cuda(buf.data_ptr<float>(), gram.data_ptr<float>(), m, n,
+  const at::Device device = weights[0].device();
+  TORCH_CHECK(device.is_cuda(), "fastdp bjorck_cuda: weights must be CUDA tensors, got ", device);
+  const c10::cuda::CUDAGuard guard(device);
+  std::vector<int64_t> offsets(count), gram_offsets(count);
+  int64_t total = 0, gram_total = 0, max_row_tiles = 0, max_col_tiles = 0;
+  for (size_t l = 0; l < count; ++l) {
+    const at::Tensor& w = weights[l];
+    TORCH_CHECK(w.dim() == 2 && w.numel() > 0, "fastdp bjorck_cuda: weights[", l,
+                "] must be a non-empty 2-D matrix, got shape ", w.sizes());
+    TORCH_CHECK(w.device() == device, "fastdp bjorck_cuda: weights[", l, "] is on ", w.device(), " but weights[0] on ",
+                device);
+    TORCH_CHECK(w.is_contiguous(), "fastdp bjorck_cuda: weights[", l, "] is not contiguous");
+    matrix_scalar_kind("bjorck_cuda", w, l);
+    const int64_t m = std::max(w.size(0), w.size(1)), n = std::min(w.size(0), w.size(1));  // X = w or w^T
+    offsets[l] = total;
+    gram_offsets[l] = gram_total;
+    total += 2 * m * n;  // ping-pong pair [2, m, n]
+    gram_total += n * n;
+    max_row_tiles = std::max(max_row_tiles, (m + kBjorckTile - 1) / kBjorckTile);
+    max_col_tiles = std::max(max_col_tiles, (n + kBjorckTile - 1) / kBjorckTile);
+  }
+  TORCH_CHECK(max_col_tiles <= 65535, "fastdp bjorck_cuda: a matrix has ", max_col_tiles * kBjorckTile,
+              " or more columns (after transposing wide ones); the grid allows at most ", 65535 * kBjorckTile);
+  const at::TensorOptions f32 = weights[0].options().dtype(at::kFloat);
+  at::Tensor buf = at::empty({total}, f32);
+  at::Tensor gram = at::empty({gram_total}, f32);  // workspace
+  std::vector<BjorckMatrix> table(count);
+  for (size_t l = 0; l < count; ++l) {
+    const at::Tensor& w = weights[l];
+    const bool wide = w.size(0) < w.size(1);
+    const at::Tensor x = wide ? w.t() : w;  // [m, n], m >= n
+    const int64_t m = x.size(0), n = x.size(1);
+    buf.narrow(0, offsets[l], m * n).view({m, n}).copy_(x);
+    table[l] = BjorckMatrix{buf.data_ptr<float>() + offsets[l], gram.data_ptr<float>() + gram_offsets[l], m, n};
+  }
+  const size_t table_bytes = count * sizeof(BjorckMatrix);
+  at::Tensor host = at::empty({static_cast<int64_t>(table_bytes)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), table.data(), table_bytes);
+  at::Tensor dev = host.to(device, /*non_blocking=*/true);  // stream-ordered before the launches
+  const cudaError_t err = launch_bjorck_cuda(reinterpret_cast<const BjorckMatrix*>(dev.data_ptr()),
+                                             static_cast<int64_t>(count), max_row_tiles, max_col_tiles,
                                              static_cast<int32_t>(iters), static_cast<float>(beta),
                                              at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "fastdp bjorck_cuda: CUDA launch failed: ", cudaGetErrorString(err));
-  const at::Tensor result = buf[iters % 2];
-  at::Tensor out = at::empty(w.sizes(), w.options());
-  out.copy_(wide ? result.t() : result);
+  std::vector<at::Tensor> out;
+  out.reserve(count);
+  for (size_t l = 0; l < count; ++l) {
+    const at::Tensor& w = weights[l];
+    const bool wide = w.size(0) < w.size(1);
+    const int64_t m = wide ? w.size(1) : w.size(0), n = wide ? w.size(0) : w.size(1);
+    const at::Tensor result = buf.narrow(0, offsets[l] + (iters % 2) * m * n, m * n).view({m, n});
+    at::Tensor o = at::empty(w.sizes(), w.options());
+    o.copy_(wide ? result.t() : result);
+    out.push_back(o);
+  }
   return out;
 }
 #endif
@@ -305,12 +431,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("a"), py::arg("g"));
   m.def("clip_factors", &fastdp::clip_factors, "Per-example norms and DP-SGD clip factors from [L, B] squared norms",
         py::arg("sq_norms"), py::arg("clip_norm"));
+  m.def("clip_rows", &fastdp::clip_rows, "Per-example row clipping of [B, C, P] to l2 (or l15) norm <= bound",
+        py::arg("x"), py::arg("bound"), py::arg("l15"));
+  m.def("clip_rows_backward", &fastdp::clip_rows_backward, "Gradient of clip_rows w.r.t. x for an upstream grad",
+        py::arg("grad"), py::arg("x"), py::arg("bound"), py::arg("l15"));
 #ifdef FASTDP_WITH_CUDA
   m.def("power_iteration_cuda", &fastdp::power_iteration_cuda,
         "Batched power iteration on CUDA matrices in one launch: (sigma_hat, u list, v list)",
         py::arg("weights"), py::arg("vectors"), py::arg("iters"));
-  m.def("bjorck_cuda", &fastdp::bjorck_cuda, "Bjorck orthonormalisation of one CUDA matrix (fp32 math)",
-        py::arg("w"), py::arg("iters"), py::arg("beta"));
+  m.def("bjorck_cuda", &fastdp::bjorck_cuda,
+        "Batched Bjorck orthonormalisation of a list of CUDA matrices (fp32 math, 2 launches per step)",
+        py::arg("weights"), py::arg("iters"), py::arg("beta"));
 #endif
   m.def("has_cuda", &fastdp::has_cuda, "Whether this build has the CUDA kernels");
 }

@@ -13,6 +13,7 @@ import fastdp._ext
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_SOURCES = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
+KERNEL_MODULES = {p.stem for p in (ROOT / "kernels").glob("*.py") if p.stem != "__init__"}
 NVCC = shutil.which("nvcc") or next((p for p in ["/usr/local/cuda/bin/nvcc"] if os.path.exists(p)), None)
 
 
@@ -44,6 +45,9 @@ def test_triton_kernels_compile_for_hopper():
     )
     assert result.returncode == 0, f"Triton compile for sm_90 failed:\n{result.stdout}\n{result.stderr}"
     assert "compiled" in result.stdout
+    compiled = {line.split()[1].split(".")[0] for line in result.stdout.splitlines() if line.startswith("ok ")}
+    missing = sorted(KERNEL_MODULES - compiled)
+    assert not missing, f"kernels/{missing} compiled no kernel for sm_90; list them in hopper_compile_specs()"
 
 
 @pytest.mark.skipif(os.environ.get("FASTDP_REQUIRE_EXT") != "1", reason="set FASTDP_REQUIRE_EXT=1 to require _C")

@@ -1,5 +1,6 @@
 """fastdp's ``torch.library`` ops (namespace ``torch.ops.fastdp``) and their Python entry points."""
 
+from fastdp.ops.clip import clip_gradient, clip_rows
 from fastdp.ops.noise import add_noise_, noisy_sgd_step_
 from fastdp.ops.norms import clip_factors, ghost_norm_sq
 from fastdp.ops.orthogonal import (
@@ -21,6 +22,8 @@ __all__ = [
     "certified_spectral_norm",
     "certified_spectral_norms",
     "clip_factors",
+    "clip_gradient",
+    "clip_rows",
     "conv_lip_factor",
     "conv_operator_norm",
     "ghost_norm_sq",
