@@ -1,19 +1,24 @@
 """Benchmark of the Lipschitz constraints: Björck orthonormalisation and power iteration.
 
-Cases: square matrices n in {64, 256, 1024} (and 4096 on GPU), one matrix per call, and a
-10-layer list of 512 x 512 matrices. Ops: ``bjorck`` (15 steps, beta 0.5) and
-``power_iteration`` (10 steps, warm start). Providers:
+Cases: square matrices n in {64, 256, 1024} (and 4096 on GPU), one matrix per call, and two
+model-sized lists, each passed to ONE fastdp call (as ``fastdp.nn.lipschitz.project_`` does
+after every step): a 10-layer list of 512 x 512 matrices and a 24-layer list of 64 x 64 ones
+(launch-bound: the Triton path runs all of them in one fused launch, the CUDA path in 2 launches
+per step). Ops: ``bjorck`` (15 steps, beta 0.5) and ``power_iteration`` (10 steps, warm start).
+Providers:
 
 * ``torch-loop`` — the baseline as deel-torchlip writes it: a Python loop of ``torch.mm``
   per layer and per step (written inline below, no fastdp code);
 * ``fastdp-ref`` — fastdp's torch reference (the CPU default);
-* ``fastdp-triton`` — the Triton kernels (GPU only: the interpreter is a test vehicle).
+* ``fastdp-triton`` — the Triton kernels (GPU only: the interpreter is a test vehicle);
+* ``fastdp-cuda`` — the csrc/cuda kernels (GPU with fastdp._C built with CUDA).
 
 Reports the median time (p20, p80) in ms and the speedup over the baseline. Results are
 appended to bench/results/<device>-lipschitz.csv unless ``--out`` is given.
 
     python bench/bench_lipschitz.py
     python bench/bench_lipschitz.py --out /tmp/lipschitz.csv --repeats 3
+    python bench/bench_lipschitz.py --cases 10x512x512 24x64x64 --ops bjorck
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import fastdp
+import fastdp._ext
 from fastdp._backend import available
 from fastdp.ops import bjorck_orthonormalize, power_iteration
 
@@ -64,13 +70,15 @@ def providers(device: torch.device) -> dict[str, str | None]:
     ok, _ = available("triton", device.type)
     if ok and device.type == "cuda":
         out["fastdp-triton"] = "triton"
+    if device.type == "cuda" and fastdp._ext.has_cuda_kernels():
+        out["fastdp-cuda"] = "cuda"
     return out
 
 
 def cases(device: torch.device) -> list[tuple[str, int, int]]:
     """(label, layers, n)."""
     sizes = [64, 256, 1024] + ([4096] if device.type == "cuda" else [])
-    return [(f"{n}x{n}", 1, n) for n in sizes] + [("10x512x512", 10, 512)]
+    return [(f"{n}x{n}", 1, n) for n in sizes] + [("10x512x512", 10, 512), ("24x64x64", 24, 64)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per provider on CPU")
     parser.add_argument("--ops", nargs="+", default=["bjorck", "power_iteration"])
+    parser.add_argument("--cases", nargs="+", default=None, help="case labels to run (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="CSV to append to (default bench/results/)")
     args = parser.parse_args(argv)
 
@@ -89,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = fastdp.get_backend()
     for op in args.ops:
         for label, layers, n in cases(device):
+            if args.cases is not None and label not in args.cases:
+                continue
             gen = torch.Generator().manual_seed(0)
             weights = [(torch.randn(n, n, generator=gen) / (2 * n**0.5)).to(device) for _ in range(layers)]
             vectors = [F.normalize(torch.randn(n, generator=gen), dim=0).to(device) for _ in range(layers)]
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     fn = (
                         functools.partial(torch_loop_bjorck, weights)
                         if backend is None
-                        else functools.partial(bjorck_orthonormalize, weights, BJORCK_ITERS)
+                        else functools.partial(bjorck_orthonormalize, weights, BJORCK_ITERS)  # one call, whole list
                     )
                     flops = layers * BJORCK_ITERS * 4 * n**3
                 else:

@@ -1,18 +1,27 @@
 """Triton kernels of Björck orthonormalisation (math: ``fastdp/ref/orthogonal.py``).
 
-For X [m, n] with m >= n (a wide matrix is transposed on the host), ``iters`` steps of
+For each matrix X_l [m_l, n_l] with m_l >= n_l (a wide matrix is transposed on the host), ``iters`` steps of
 
     G = X^T X                                   [n, n], fp32 tl.dot (IEEE, no TF32)
     X <- (1 + beta) X - beta X G                the update fused into the X G product
 
-Two paths, same math, ping-pong fp32 buffers ``buf[2, m, n]`` (step k reads buf[k % 2] and
-writes buf[(k + 1) % 2]) and an fp32 Gram buffer:
-* ``_bjorck_fused_kernel`` — one program does every step of one matrix (Gram tiles then
-  update tiles, block-wide barriers between phases): one launch per matrix, for small
-  matrices (m n <= FUSED_MAX_NUMEL), where launch latency dominates.
-* ``_gram_kernel`` + ``_bjorck_update_kernel`` — tiled over many programs, two launches per
-  step (the launch boundary is the grid-wide barrier): larger matrices.
-Both run under ``TRITON_INTERPRET=1`` (tiles upcast to fp32: no low-precision tl.dot there).
+Batched over the whole list with no pointer tables (so the same path runs under ``TRITON_INTERPRET=1``), as
+``fastdp/kernels/spectral.py``: the host packs every matrix in fp32 into one flat buffer ``buf[2, total]``
+(ping-pong halves: step k reads half k % 2 and writes half (k + 1) % 2, so X_iters ends in half iters % 2),
+gives each its own fp32 Gram scratch in one flat ``gram[total_gram]``, and passes an int64 table
+``meta[L, 4]`` of (offset of X_l in a half, offset of G_l, m_l, n_l). Two paths, same math and the same
+fp32 tiles (``_gram_tile``, ``_update_tile``):
+
+* ``_bjorck_fused_kernel`` — grid (L_small,): program l does every step of small matrix l
+  (m n <= FUSED_MAX_NUMEL; Gram tiles then update tiles, block-wide barriers between phases). All small
+  matrices in ONE launch, where launch latency dominates.
+* ``_gram_kernel`` + ``_bjorck_update_kernel`` — per step, one launch each over all larger matrices, grid
+  (max tiles, max tiles, L_large): program (i, j, l) makes tile (i, j) of matrix l and returns at once
+  when the tile lies outside matrix l (the launch boundary is the grid-wide barrier between the phases).
+
+A list costs at most 1 + 2 iters launches, whatever its length. Load balance: the largest matrix sets the
+time of each launch (fine for the layer lists of Lipschitz networks). Tiles are upcast to fp32 on load (the
+interpreter has no low-precision tl.dot).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import triton.language as tl
 BLOCK = 32  # tile edge (rows and columns); tl.dot needs >= 16
 NUM_WARPS = 4
 FUSED_MAX_NUMEL = 128 * 128  # one-program path up to this many elements
+META_COLUMNS = 4  # meta[l] = (offset of X_l in a half of buf, offset of G_l in gram, m_l, n_l)
+MAX_GRID_YZ = 65535  # CUDA limit on grid axes 1 and 2
 
 
 @triton.jit
@@ -49,6 +60,21 @@ def _gram_tile(
         b = tl.load(x_ptr + r[:, None] * n + cj[None, :], mask=mask_r[:, None] & (cj < n)[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
     return acc
+
+
+@triton.jit
+def _store_gram_tile(
+    gram_ptr,  # G [n, n] fp32 (written)
+    g,  # fp32 [BLOCK, BLOCK] tile
+    i0,
+    j0,
+    n,
+    BLOCK: tl.constexpr,
+):
+    """``G[i0:i0+BLOCK, j0:j0+BLOCK] = g`` (in-range entries only)."""
+    ci = i0 + tl.arange(0, BLOCK).to(tl.int64)
+    cj = j0 + tl.arange(0, BLOCK).to(tl.int64)
+    tl.store(gram_ptr + ci[:, None] * n + cj[None, :], g, mask=(ci < n)[:, None] & (cj < n)[None, :])
 
 
 @triton.jit
@@ -83,89 +109,137 @@ def _update_tile(
 
 @triton.jit
 def _bjorck_fused_kernel(
-    buf_ptr,  # fp32 [2, m, n]: X_0 in buf[0]; X_iters ends in buf[iters % 2]
-    gram_ptr,  # fp32 [n, n] scratch
-    m,  # rows (m >= n)
-    n,  # columns
+    buf_ptr,  # fp32 [2, half]: X_l at meta[l, 0] in each half; X_0 in half 0, X_iters in half iters % 2
+    half,  # elements in one half of buf
+    gram_ptr,  # fp32 flat scratch: G_l [n_l, n_l] at meta[l, 1]
+    meta_ptr,  # int64 [L_small, 4]: X offset, G offset, m, n (m >= n)
     iters,  # Björck steps
     beta,  # fp32 step size
     BLOCK: tl.constexpr,
 ):
-    """One program: every Björck step of one matrix (module docstring)."""
-    mn = tl.cast(m, tl.int64) * n
+    """Program l: every Björck step of small matrix l (module docstring)."""
+    layer = tl.program_id(0).to(tl.int64)
+    x_off = tl.load(meta_ptr + layer * 4)
+    gram = gram_ptr + tl.load(meta_ptr + layer * 4 + 1)
+    m = tl.load(meta_ptr + layer * 4 + 2)
+    n = tl.load(meta_ptr + layer * 4 + 3)
+    half64 = tl.cast(half, tl.int64)
     for step in range(iters):
-        x_ptr = buf_ptr + (step % 2) * mn
-        y_ptr = buf_ptr + ((step + 1) % 2) * mn
+        x_ptr = buf_ptr + (step % 2) * half64 + x_off
+        y_ptr = buf_ptr + ((step + 1) % 2) * half64 + x_off
         for i0 in range(0, n, BLOCK):
             for j0 in range(0, n, BLOCK):
                 g = _gram_tile(x_ptr, i0, j0, m, n, BLOCK)
-                ci = i0 + tl.arange(0, BLOCK).to(tl.int64)
-                cj = j0 + tl.arange(0, BLOCK).to(tl.int64)
-                tl.store(gram_ptr + ci[:, None] * n + cj[None, :], g, mask=(ci < n)[:, None] & (cj < n)[None, :])
+                _store_gram_tile(gram, g, i0, j0, n, BLOCK)
         tl.debug_barrier()  # G visible to every thread
         for r0 in range(0, m, BLOCK):
             for j0 in range(0, n, BLOCK):
-                _update_tile(x_ptr, y_ptr, gram_ptr, r0, j0, m, n, beta, BLOCK)
+                _update_tile(x_ptr, y_ptr, gram, r0, j0, m, n, beta, BLOCK)
         tl.debug_barrier()  # the new X visible before the next step's Gram
 
 
 @triton.jit
 def _gram_kernel(
-    x_ptr,  # X [m, n] fp32 (read)
-    gram_ptr,  # G [n, n] fp32 (written)
-    m,
-    n,
+    x_ptr,  # fp32 flat half of buf read this step: X_l at meta[l, 0]
+    gram_ptr,  # fp32 flat: G_l [n_l, n_l] at meta[l, 1] (written)
+    meta_ptr,  # int64 [L_large, 4]: X offset, G offset, m, n (m >= n)
     BLOCK: tl.constexpr,
 ):
-    """Program (i, j): tile (i, j) of ``G = X^T X``."""
+    """Program (i, j, l): tile (i, j) of ``G_l = X_l^T X_l``; nothing when the tile lies outside G_l."""
+    layer = tl.program_id(2).to(tl.int64)
+    n = tl.load(meta_ptr + layer * 4 + 3)
     i0 = tl.program_id(0).to(tl.int64) * BLOCK
     j0 = tl.program_id(1).to(tl.int64) * BLOCK
-    g = _gram_tile(x_ptr, i0, j0, m, n, BLOCK)
-    ci = i0 + tl.arange(0, BLOCK).to(tl.int64)
-    cj = j0 + tl.arange(0, BLOCK).to(tl.int64)
-    tl.store(gram_ptr + ci[:, None] * n + cj[None, :], g, mask=(ci < n)[:, None] & (cj < n)[None, :])
+    if i0 >= n:
+        return
+    if j0 >= n:
+        return
+    x = x_ptr + tl.load(meta_ptr + layer * 4)
+    gram = gram_ptr + tl.load(meta_ptr + layer * 4 + 1)
+    m = tl.load(meta_ptr + layer * 4 + 2)
+    g = _gram_tile(x, i0, j0, m, n, BLOCK)
+    _store_gram_tile(gram, g, i0, j0, n, BLOCK)
 
 
 @triton.jit
 def _bjorck_update_kernel(
-    x_ptr,  # X [m, n] fp32 (read)
-    y_ptr,  # Y [m, n] fp32 (written)
-    gram_ptr,  # G [n, n] fp32 (read)
-    m,
-    n,
+    x_ptr,  # fp32 flat half of buf read this step: X_l at meta[l, 0]
+    y_ptr,  # fp32 flat other half (written): Y_l at meta[l, 0]
+    gram_ptr,  # fp32 flat: G_l at meta[l, 1] (read)
+    meta_ptr,  # int64 [L_large, 4]: X offset, G offset, m, n (m >= n)
     beta,  # fp32 step size
     BLOCK: tl.constexpr,
 ):
-    """Program (r, j): tile (r, j) of ``Y = (1 + beta) X - beta X G``."""
+    """Program (r, j, l): tile (r, j) of ``Y_l = (1 + beta) X_l - beta X_l G_l``; nothing outside Y_l."""
+    layer = tl.program_id(2).to(tl.int64)
+    m = tl.load(meta_ptr + layer * 4 + 2)
+    n = tl.load(meta_ptr + layer * 4 + 3)
     r0 = tl.program_id(0).to(tl.int64) * BLOCK
     j0 = tl.program_id(1).to(tl.int64) * BLOCK
-    _update_tile(x_ptr, y_ptr, gram_ptr, r0, j0, m, n, beta, BLOCK)
+    if r0 >= m:
+        return
+    if j0 >= n:
+        return
+    x_off = tl.load(meta_ptr + layer * 4)
+    gram = gram_ptr + tl.load(meta_ptr + layer * 4 + 1)
+    _update_tile(x_ptr + x_off, y_ptr + x_off, gram, r0, j0, m, n, beta, BLOCK)
 
 
-def bjorck_orthonormalize(w: torch.Tensor, iters: int, beta: float) -> torch.Tensor:
-    """``iters`` Björck steps on one 2-D matrix (float32/float16/bfloat16, non-empty, checked by
-    ``fastdp.ops.orthogonal``); returns a contiguous matrix of w's shape and dtype."""
-    wide = w.shape[0] < w.shape[1]
-    x = w.T if wide else w
-    m, n = x.shape
-    buf = torch.empty(2, m, n, dtype=torch.float32, device=w.device)
-    buf[0].copy_(x)
-    gram = torch.empty(n, n, dtype=torch.float32, device=w.device)
-    guard = torch.cuda.device(w.device) if w.device.type == "cuda" else contextlib.nullcontext()
+def bjorck_orthonormalize(weights: list[torch.Tensor], iters: int, beta: float) -> list[torch.Tensor]:
+    """``iters`` Björck steps on every matrix of a non-empty list, in at most 1 + 2 iters launches.
+
+    Inputs (checked by ``fastdp.ops.orthogonal``): non-empty 2-D matrices on one device, float32, float16
+    or bfloat16 (mixed allowed), any strides. Returns contiguous matrices of the inputs' shapes and dtypes.
+    """
+    device = weights[0].device
+    xs = [w.T if w.shape[0] < w.shape[1] else w for w in weights]  # [m, n], m >= n
+    fused_max = FUSED_MAX_NUMEL  # read at call time (tests lower it)
+    small = [i for i, x in enumerate(xs) if x.numel() <= fused_max]
+    large = [i for i, x in enumerate(xs) if x.numel() > fused_max]
+    order = small + large  # meta rows: small matrices first, then the tiled ones
+    row_tiles = max((triton.cdiv(xs[i].shape[0], BLOCK) for i in large), default=0)
+    col_tiles = max((triton.cdiv(xs[i].shape[1], BLOCK) for i in large), default=0)
+    if len(large) > MAX_GRID_YZ or col_tiles > MAX_GRID_YZ:
+        raise ValueError(
+            f"fastdp bjorck_orthonormalize: {len(large)} matrices with up to {col_tiles} column tiles exceed the "
+            f"grid limit {MAX_GRID_YZ} (grid axes 1 and 2); split the list or use the torch backend"
+        )
+    meta, x_offs = [], {}
+    half = gram_total = 0
+    for i in order:
+        m, n = xs[i].shape
+        meta.append([half, gram_total, m, n])
+        x_offs[i] = half
+        half += m * n
+        gram_total += n * n
+    buf = torch.empty(2, half, dtype=torch.float32, device=device)
+    gram = torch.empty(gram_total, dtype=torch.float32, device=device)
+    for i, x in enumerate(xs):
+        buf[0, x_offs[i] : x_offs[i] + x.numel()].view(x.shape).copy_(x)
+    meta_t = torch.tensor(meta, dtype=torch.int64).to(device, non_blocking=True)
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        if m * n <= FUSED_MAX_NUMEL:
-            _bjorck_fused_kernel[(1,)](buf, gram, m, n, iters, float(beta), BLOCK=BLOCK, num_warps=NUM_WARPS)
-        else:
-            tiles_n = triton.cdiv(n, BLOCK)
+        if small:
+            _bjorck_fused_kernel[(len(small),)](
+                buf, half, gram, meta_t, iters, float(beta), BLOCK=BLOCK, num_warps=NUM_WARPS
+            )
+        if large:
+            meta_large = meta_t[len(small) :]  # a contiguous view: rows of the tiled matrices
             for step in range(iters):
                 x_buf, y_buf = buf[step % 2], buf[(step + 1) % 2]
-                _gram_kernel[(tiles_n, tiles_n)](x_buf, gram, m, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
-                _bjorck_update_kernel[(triton.cdiv(m, BLOCK), tiles_n)](
-                    x_buf, y_buf, gram, m, n, float(beta), BLOCK=BLOCK, num_warps=NUM_WARPS
+                _gram_kernel[(col_tiles, col_tiles, len(large))](
+                    x_buf, gram, meta_large, BLOCK=BLOCK, num_warps=NUM_WARPS
                 )
-    out = buf[iters % 2]
-    out = out.T if wide else out
-    return torch.empty(w.shape, dtype=w.dtype, device=w.device).copy_(out)  # not a view of buf
+                _bjorck_update_kernel[(row_tiles, col_tiles, len(large))](
+                    x_buf, y_buf, gram, meta_large, float(beta), BLOCK=BLOCK, num_warps=NUM_WARPS
+                )
+    final = buf[iters % 2]
+    out = []
+    for i, (w, x) in enumerate(zip(weights, xs, strict=True)):
+        result = final[x_offs[i] : x_offs[i] + x.numel()].view(x.shape)
+        result = result.T if w.shape[0] < w.shape[1] else result  # a wide matrix was transposed
+        out.append(torch.empty(w.shape, dtype=w.dtype, device=device).copy_(result))  # not a view of buf
+    return out
 
 
 def hopper_compile_specs():
@@ -173,8 +247,9 @@ def hopper_compile_specs():
     flags = {"BLOCK": BLOCK}
     return [
         (_bjorck_fused_kernel,
-         {"buf_ptr": "*fp32", "gram_ptr": "*fp32", "m": "i32", "n": "i32", "iters": "i32", "beta": "fp32"}, flags),
-        (_gram_kernel, {"x_ptr": "*fp32", "gram_ptr": "*fp32", "m": "i32", "n": "i32"}, flags),
+         {"buf_ptr": "*fp32", "half": "i64", "gram_ptr": "*fp32", "meta_ptr": "*i64", "iters": "i32",
+          "beta": "fp32"}, flags),
+        (_gram_kernel, {"x_ptr": "*fp32", "gram_ptr": "*fp32", "meta_ptr": "*i64"}, flags),
         (_bjorck_update_kernel,
-         {"x_ptr": "*fp32", "y_ptr": "*fp32", "gram_ptr": "*fp32", "m": "i32", "n": "i32", "beta": "fp32"}, flags),
+         {"x_ptr": "*fp32", "y_ptr": "*fp32", "gram_ptr": "*fp32", "meta_ptr": "*i64", "beta": "fp32"}, flags),
     ]  # fmt: skip

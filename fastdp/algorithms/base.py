@@ -120,5 +120,6 @@ def release_noisy_mean(
         add_noise_(sums, stds, secure=True)
     else:
         add_noise_(sums, stds, seed=seed, offset=step)
+    torch._foreach_div_(sums, expected_batch_size)
     for p, total in zip(params, sums, strict=True):
-        p.grad = total.div_(expected_batch_size).to(p.dtype)  # cast after the noise: post-processing
+        p.grad = total.to(p.dtype)  # cast after the noise: post-processing

@@ -64,7 +64,8 @@ def _weighted(factors: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
     """sum_i c_i x_i for x [B, ...], in the accumulation dtype (fp32 for half types, so rounding cannot push one
     example's clipped contribution past its bound)."""
     acc = _acc(per_example)
-    return torch.einsum("b,b...->...", factors.to(acc), per_example.to(acc))
+    flat = per_example.reshape(per_example.shape[0], math.prod(per_example.shape[1:])).to(acc)
+    return (factors.to(acc) @ flat).reshape(per_example.shape[1:])  # one GEMV
 
 
 class DPLayer:

@@ -24,6 +24,7 @@ from torch import nn
 
 from fastdp.nn.clip import clip_gradient, clip_rows
 from fastdp.ops import certified_spectral_norm, rko_orthonormalize, spectral_normalize_and_orthonormalize
+from fastdp.ops.orthogonal import lipschitz_projection
 
 __all__ = [
     "AddBias",
@@ -471,10 +472,51 @@ def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float =
     return sensitivities
 
 
+def _batchable(module: nn.Module) -> bool:
+    """Whether ``module.project_`` is the deel-lip projection or RKO that :func:`project_` can batch."""
+    if isinstance(module, LipschitzLinear):
+        return type(module).project_ is LipschitzLinear.project_ and module.projection == "orthogonal"
+    return isinstance(module, LipschitzConv2d) and type(module).project_ is LipschitzConv2d.project_
+
+
+@torch.no_grad()
+def _project_batched_(dense: list[LipschitzLinear], convs: list[LipschitzConv2d]) -> None:
+    """``project_`` of these layers (on one device) with one Björck call over all their matrices."""
+    ws, us, kernels = lipschitz_projection(
+        [m.weight for m in dense], [m._u for m in dense], [c.weight for c in convs],
+        [c.input_hw for c in convs], [(c.stride, c.stride) for c in convs],
+    )  # fmt: skip
+    for m, w, u in zip(dense, ws, us, strict=True):
+        m.weight.copy_(w * m.max_norm)
+        m._u.copy_(u)
+    for c, k in zip(convs, kernels, strict=True):
+        c.weight.copy_(k)
+
+
 def project_(model: nn.Module) -> None:
-    """Apply every layer's projection Pi (after an optimizer step; post-processing, free in privacy)."""
-    for module in model.modules():
-        if isinstance(module, LipschitzModule) and module is not model:
-            module.project_()
+    """Apply every layer's projection Pi (after an optimizer step; post-processing, free in privacy).
+
+    The orthogonal projections of all ``LipschitzLinear`` (projection ``"orthogonal"``) and
+    ``LipschitzConv2d`` layers run together, one power-iteration and one Björck call per device for
+    the whole model (``fastdp.ops.orthogonal.lipschitz_projection``); the results are those of
+    each layer's own ``project_``. Other layers, and all layers when these share a weight with
+    another layer, project one by one.
+    """
+    modules = [m for m in model.modules() if isinstance(m, LipschitzModule) and m is not model]
     if isinstance(model, LipschitzModule):
-        model.project_()
+        modules.append(model)
+    batched = [m for m in modules if _batchable(m)]
+    weight_ids = [id(m.weight) for m in batched]
+    other_ids = {id(p) for m in modules if not _batchable(m) for p in m.parameters(recurse=False)}
+    if len(set(weight_ids)) < len(weight_ids) or other_ids.intersection(weight_ids):
+        batched = []  # a shared weight: sequential projections compose, keep their order
+    batched_ids = {id(m) for m in batched}
+    for module in modules:
+        if id(module) not in batched_ids:
+            module.project_()
+    for device in dict.fromkeys(m.weight.device for m in batched):
+        on_device = [m for m in batched if m.weight.device == device]
+        _project_batched_(
+            [m for m in on_device if isinstance(m, LipschitzLinear)],
+            [m for m in on_device if isinstance(m, LipschitzConv2d)],
+        )

@@ -12,11 +12,18 @@ optimiser step. Input checks as in ``fastdp.ops.spectral`` (2-D, non-empty, fini
 iteration counts >= 1); the finiteness check costs one device synchronisation per call
 (``fastdp.ops.spectral.CHECK_FINITE = False`` skips it).
 
-Backends: ``fastdp._backend.select("orthogonal", device)``; ``triton`` runs
-``fastdp.kernels.orthogonal`` (one fused program per matrix, per-matrix launches); ``cuda``
-runs ``fastdp._C.bjorck_cuda`` (csrc/cuda/orthogonal.cu: Gram then fused update, two
-launches per step and matrix) on CUDA tensors and the reference on CPU tensors (no
-csrc/cpu kernel); float64 always runs the reference.
+Backends: ``fastdp._backend.select("orthogonal", device)``. Both kernel backends take the
+whole list at once (float32/float16/bfloat16 matrices; float64 ones always run the reference):
+``triton`` runs ``fastdp.kernels.orthogonal`` — one launch of a fused kernel over all small
+matrices (one program per matrix, every step) plus, per step, one batched Gram launch and one
+batched update launch over all larger ones: at most 1 + 2 iters launches per call, whatever
+the list's length; ``cuda`` runs ``fastdp._C.bjorck_cuda`` (csrc/cuda/orthogonal.cu: per
+step one Gram launch and one fused-update launch over all matrices, 2 iters launches) on CUDA
+tensors and the reference on CPU tensors (no csrc/cpu kernel).
+
+``lipschitz_projection`` applies the deel-lip projection to a model's dense matrices and RKO
+to its conv kernels with a single Björck call over all of them (``fastdp.nn.lipschitz.project_``
+uses it after each optimiser step).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from fastdp.ref import orthogonal as ref
 __all__ = [
     "bjorck_orthonormalize",
     "conv_lip_factor",
+    "lipschitz_projection",
     "rko_orthonormalize",
     "spectral_normalize_and_orthonormalize",
 ]
@@ -48,25 +56,31 @@ def _check_beta(op: str, beta) -> None:
 
 @torch.library.custom_op("fastdp::bjorck_orthonormalize", mutates_args=())
 def _bjorck_op(weights: list[torch.Tensor], iters: int, beta: float) -> list[torch.Tensor]:
-    backend = _backend.select("orthogonal", weights[0].device.type)
+    device = weights[0].device
+    backend = _backend.select("orthogonal", device.type)
     with torch.no_grad():
         if backend == "triton":
             from fastdp.kernels import orthogonal as triton_orthogonal
 
-            return [
-                triton_orthogonal.bjorck_orthonormalize(w, iters, beta)
-                if w.dtype in _KERNEL_DTYPES
-                else ref.bjorck_orthonormalize([w], iters, beta)[0]
-                for w in weights
-            ]
-        if backend == "cuda" and weights[0].device.type == "cuda" and _ext.has_cuda_kernels():
-            return [
-                _ext._C.bjorck_cuda(w.contiguous(), iters, beta)
-                if w.dtype in _KERNEL_DTYPES
-                else ref.bjorck_orthonormalize([w], iters, beta)[0]
-                for w in weights
-            ]
-        return ref.bjorck_orthonormalize(list(weights), iters, beta)
+            kernel = triton_orthogonal.bjorck_orthonormalize
+        elif backend == "cuda" and device.type == "cuda" and _ext.has_cuda_kernels():
+
+            def kernel(ws, iters, beta):
+                return _ext._C.bjorck_cuda([w.contiguous() for w in ws], iters, beta)
+
+        else:
+            return ref.bjorck_orthonormalize(list(weights), iters, beta)
+        # One batched kernel call over every kernel-dtype matrix; float64 ones run the reference.
+        batched = [i for i, w in enumerate(weights) if w.dtype in _KERNEL_DTYPES]
+        out: list[torch.Tensor | None] = [None] * len(weights)
+        if batched:
+            for i, o in zip(batched, kernel([weights[i] for i in batched], iters, beta), strict=True):
+                out[i] = o
+        rest = [i for i, w in enumerate(weights) if w.dtype not in _KERNEL_DTYPES]
+        if rest:
+            for i, o in zip(rest, ref.bjorck_orthonormalize([weights[i] for i in rest], iters, beta), strict=True):
+                out[i] = o
+        return out
 
 
 @_bjorck_op.register_fake
@@ -100,6 +114,33 @@ def bjorck_orthonormalize(weights: list[torch.Tensor], iters: int = 15, beta: fl
     return torch.ops.fastdp.bjorck_orthonormalize([w.detach() for w in weights], iters, float(beta))
 
 
+def _spectral_scale(
+    weights: list[torch.Tensor], vectors: list[torch.Tensor] | None, power_iters: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``W_l / (sigma_hat_l (1 + 1e-3))`` in W_l's dtype, and the new right vectors u_l.
+
+    One power-iteration call for the float64 matrices and one for the others, so that each
+    matrix gets what it would get alone (a float64 matrix in the list does not move the rest
+    to the reference path and float64 scaling).
+    """
+    if vectors is not None:
+        spectral_ops._check_vectors("spectral_normalize_and_orthonormalize", weights, vectors)
+    scaled: list[torch.Tensor | None] = [None] * len(weights)
+    us: list[torch.Tensor | None] = [None] * len(weights)
+    for wide_precision in (False, True):
+        idx = [i for i, w in enumerate(weights) if (w.dtype == torch.float64) == wide_precision]
+        if not idx:
+            continue
+        group_vectors = None if vectors is None else [vectors[i] for i in idx]
+        sigma, group_us, _ = spectral_ops.power_iteration([weights[i] for i in idx], group_vectors, power_iters)
+        denom = (sigma * (1.0 + ref.PROJECTION_EPS)).clamp_min(1e-30)
+        for k, i in enumerate(idx):
+            w = weights[i]
+            scaled[i] = (w.detach().to(denom.dtype) / denom[k]).to(w.dtype)
+            us[i] = group_us[k]
+    return scaled, us
+
+
 def spectral_normalize_and_orthonormalize(
     weights: list[torch.Tensor],
     vectors: list[torch.Tensor] | None = None,
@@ -110,6 +151,8 @@ def spectral_normalize_and_orthonormalize(
 
     sigma_hat is ``power_iteration(weights, vectors, power_iters)``'s estimate (warm-started
     by ``vectors``: pass the returned vectors back next step, as the lip-dp paper advises).
+    One power-iteration call and one (batched) Björck call for the whole list (float64
+    matrices: one more of each); each matrix's result is what it would be alone.
 
     Returns:
         ``(projected weights (shapes and dtypes of the inputs), new right vectors u_l [n_l])``.
@@ -118,9 +161,7 @@ def spectral_normalize_and_orthonormalize(
     spectral_ops._check_matrices(op, weights)
     spectral_ops._check_iters(op, "power_iters", power_iters)
     spectral_ops._check_iters(op, "bjorck_iters", bjorck_iters)
-    sigma, us, _ = spectral_ops.power_iteration(weights, vectors, power_iters)
-    denom = (sigma * (1.0 + ref.PROJECTION_EPS)).clamp_min(1e-30)
-    scaled = [(w.detach().to(denom.dtype) / denom[i]).to(w.dtype) for i, w in enumerate(weights)]
+    scaled, us = _spectral_scale(list(weights), None if vectors is None else list(vectors), power_iters)
     return bjorck_orthonormalize(scaled, bjorck_iters), us
 
 
@@ -140,6 +181,32 @@ def conv_lip_factor(kernel_size, input_hw, stride=(1, 1)) -> float:
     return ref.conv_lip_factor(*pairs)
 
 
+def _check_conv_kernel(op: str, name: str, conv_weight) -> None:
+    if not isinstance(conv_weight, torch.Tensor) or conv_weight.dim() != 4 or conv_weight.numel() == 0:
+        shape = tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__
+        raise ValueError(f"fastdp {op}: {name} is {shape}; expected a non-empty kernel [C_out, C_in, kh, kw]")
+
+
+def _rko_scale(
+    conv_weights: list[torch.Tensor], input_hws: list, strides: list
+) -> tuple[list[torch.Tensor], list[tuple[float, torch.dtype]]]:
+    """Kernel matrices M = K.reshape(C_out, -1) / certified ||M||_2 (in K's dtype), and (coef, bound dtype)."""
+    coefs = [conv_lip_factor(tuple(k.shape[2:]), hw, st) for k, hw, st in zip(conv_weights, input_hws, strides,
+                                                                               strict=True)]  # fmt: skip
+    matrices = [k.detach().reshape(k.shape[0], -1) for k in conv_weights]
+    bounds = spectral_ops.certified_spectral_norms(matrices)  # checks dtype and finiteness
+    scaled, finish = [], []
+    for matrix, k, coef, b in zip(matrices, conv_weights, coefs, bounds, strict=True):
+        bound = b.to(ref.accumulation_dtype(k.dtype))  # exact: each bound is computed in this dtype
+        scaled.append((matrix.to(bound.dtype) / bound.clamp_min(1e-30)).to(k.dtype))
+        finish.append((coef, bound.dtype))
+    return scaled, finish
+
+
+def _rko_finish(ortho: torch.Tensor, coef: float, bound_dtype: torch.dtype, conv_weight: torch.Tensor) -> torch.Tensor:
+    return (ortho.to(bound_dtype) * coef).to(conv_weight.dtype).reshape(conv_weight.shape)
+
+
 def rko_orthonormalize(
     conv_weight: torch.Tensor, input_hw: tuple[int, int], stride=(1, 1), iters: int = 15
 ) -> torch.Tensor:
@@ -148,17 +215,71 @@ def rko_orthonormalize(
     M = kernel reshaped to [C_out, C_in kh kw], divided by ``certified_spectral_norm(M)``
     (so ||M|| <= 1), ``iters`` Björck steps (orthonormal rows if C_out <= C_in kh kw, else
     orthonormal columns), reshaped back and multiplied by ``conv_lip_factor((kh, kw),
-    input_hw, stride)``. Returns a tensor of the kernel's shape and dtype.
+    input_hw, stride)``. Returns a tensor of the kernel's shape and dtype. For many kernels
+    at once (one Björck call), use ``lipschitz_projection``.
     """
     op = "rko_orthonormalize"
-    if not isinstance(conv_weight, torch.Tensor) or conv_weight.dim() != 4 or conv_weight.numel() == 0:
-        shape = tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__
-        raise ValueError(f"fastdp {op}: conv_weight is {shape}; expected a non-empty kernel [C_out, C_in, kh, kw]")
+    _check_conv_kernel(op, "conv_weight", conv_weight)
     spectral_ops._check_iters(op, "iters", iters)
-    coef = conv_lip_factor(tuple(conv_weight.shape[2:]), input_hw, stride)
-    c_out = conv_weight.shape[0]
-    matrix = conv_weight.detach().reshape(c_out, -1)
-    bound = spectral_ops.certified_spectral_norm(matrix)  # checks dtype and finiteness
-    scaled = (matrix.to(bound.dtype) / bound.clamp_min(1e-30)).to(conv_weight.dtype)
+    (scaled,), ((coef, bound_dtype),) = _rko_scale([conv_weight], [input_hw], [stride])
     ortho = bjorck_orthonormalize([scaled], iters)[0]
-    return (ortho.to(bound.dtype) * coef).to(conv_weight.dtype).reshape(conv_weight.shape)
+    return _rko_finish(ortho, coef, bound_dtype, conv_weight)
+
+
+def lipschitz_projection(
+    dense_weights: list[torch.Tensor],
+    dense_vectors: list[torch.Tensor] | None = None,
+    conv_weights: list[torch.Tensor] | None = None,
+    conv_input_hws: list | None = None,
+    conv_strides: list | None = None,
+    power_iters: int = 10,
+    iters: int = 15,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The projections of a whole Lipschitz network with ONE Björck call over all its matrices.
+
+    Dense matrices get ``spectral_normalize_and_orthonormalize(dense_weights, dense_vectors,
+    power_iters, iters)``; conv kernels get ``rko_orthonormalize(k, input_hw, stride, iters)``.
+    The results are those of these per-matrix calls (Björck treats each matrix on its own);
+    only the launches are shared: one power-iteration call, one certified-norm call, one
+    batched Björck call (plus one of each for float64 matrices). All tensors on one device.
+
+    Args:
+        dense_weights: 2-D matrices (may be empty).
+        dense_vectors: warm-start right vectors u_l [n_l] (None: cold start).
+        conv_weights: conv kernels [C_out, C_in, kh, kw] (None: none).
+        conv_input_hws, conv_strides: per kernel, (H, W) of its input and its stride (ints or pairs).
+        power_iters, iters: power-iteration and Björck steps, >= 1.
+
+    Returns:
+        ``(projected dense matrices, new right vectors u_l, projected conv kernels)``, shapes and
+        dtypes of the inputs.
+    """
+    op = "lipschitz_projection"
+    dense_weights = list(dense_weights)
+    conv_weights = list(conv_weights or [])
+    conv_input_hws = list(conv_input_hws or [])
+    conv_strides = list(conv_strides or [])
+    if not (len(conv_weights) == len(conv_input_hws) == len(conv_strides)):
+        raise ValueError(
+            f"fastdp {op}: {len(conv_weights)} conv kernels, {len(conv_input_hws)} input sizes and "
+            f"{len(conv_strides)} strides; pass one input size and one stride per kernel"
+        )
+    spectral_ops._check_iters(op, "power_iters", power_iters)
+    spectral_ops._check_iters(op, "iters", iters)
+    for i, k in enumerate(conv_weights):
+        _check_conv_kernel(op, f"conv_weights[{i}]", k)
+    if dense_weights:
+        spectral_ops._check_matrices(op, dense_weights)
+        dense_scaled, us = _spectral_scale(dense_weights, None if dense_vectors is None else list(dense_vectors),
+                                           power_iters)  # fmt: skip
+    else:
+        dense_scaled, us = [], []
+    conv_scaled, finish = _rko_scale(conv_weights, conv_input_hws, conv_strides) if conv_weights else ([], [])
+    matrices = dense_scaled + conv_scaled
+    ortho = bjorck_orthonormalize(matrices, iters) if matrices else []
+    dense_out = ortho[: len(dense_scaled)]
+    conv_out = [
+        _rko_finish(o, coef, bound_dtype, k)
+        for o, (coef, bound_dtype), k in zip(ortho[len(dense_scaled) :], finish, conv_weights, strict=True)
+    ]
+    return dense_out, us, conv_out
