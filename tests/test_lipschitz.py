@@ -341,3 +341,73 @@ def test_clipless_input_bound_is_enforced_without_bounded_input():
     variant.gradient(model, Batch(x, y, torch.ones(4, dtype=torch.bool)), step=0)
     for p, bound in zip(model.parameters(), variant.last_bounds, strict=True):
         assert p.grad.norm() * variant.expected_batch_size <= 4 * bound * (1 + 1e-5)
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(BoundedInput(5.0), LipschitzConv2d(1, 4, 3, (8, 8), padding=1), GroupSort2(), L2NormPool2d(2),
+                         nn.Flatten(), LipschitzLinear(4 * 4 * 4, 3, bias=True))  # fmt: skip
+
+
+_HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mlp-clip", "cnn", "weightclip", "global"])
+def test_clipless_step_reads_no_device_value_on_the_host(kind, monkeypatch):
+    """Zero host synchronisations: the step's bounds, noise and projection never turn a tensor into a Python
+    value (on CPU, where nothing synchronises, every such read is made to fail; on CUDA see the sync-debug test)."""
+    torch.manual_seed(0)
+    if kind == "cnn":
+        model, x = _cnn(), torch.randn(6, 1, 8, 8)
+    elif kind == "weightclip":
+        model = nn.Sequential(BoundedInput(3.0), LipschitzLinear(12, 16, bias=True, projection="clip", max_norm=0.5),
+                              nn.ReLU(), LipschitzLinear(16, 3, projection="fixed", max_norm=2.0))  # fmt: skip
+        x = torch.randn(6, 12)
+    else:
+        model, x = mlp(classes=3, clip=0.5 if kind == "mlp-clip" else None), torch.randn(6, 12)
+    variant = Clipless(1.0, 0.1, 60, strategy="global" if kind == "global" else "per-layer")
+    batch = Batch(x, torch.randint(0, 3, (6,)), torch.ones(6, dtype=torch.bool))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for name in _HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
+    for step in range(2):
+        variant.gradient(model, batch, step)
+        optimizer.step()
+        variant.after_step(model)
+    monkeypatch.undo()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.cuda
+def test_clipless_step_has_no_cuda_sync():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(0)
+    model = _cnn().cuda()
+    variant = Clipless(1.0, 0.1, 60)
+    batch = Batch(torch.randn(6, 1, 8, 8, device="cuda"), torch.randint(0, 3, (6,), device="cuda"),
+                  torch.ones(6, dtype=torch.bool, device="cuda"))  # fmt: skip
+    variant.gradient(model, batch, 0)  # warm-up (lazy initialisation may synchronise)
+    variant.after_step(model)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        variant.gradient(model, batch, 1)
+        variant.after_step(model)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_tensor_stds_release_the_same_gaussian_as_float_stds():
+    from fastdp.algorithms.base import release_noisy_mean
+
+    shapes = [(30, 20), (20,), (5, 20)]
+    stds = [0.3, 1.7, 0.0]
+    out = []
+    for as_tensor in (False, True):
+        params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+        sums = [torch.full(s, 0.25) for s in shapes]
+        release_noisy_mean(params, sums, torch.tensor(stds) if as_tensor else stds, 8.0, seed=5, step=3, secure=False)
+        out.append([p.grad for p in params])
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert torch.equal(out[1][2], torch.full((5, 20), 0.25 / 8.0))  # std 0: the sum alone

@@ -138,3 +138,12 @@ def test_format_table():
              "test_accuracy": 0.9, "test_auroc": 0.95, "steps": 10, "train_seconds": 1.0}]  # fmt: skip
     table = format_table(rows)
     assert "dpsgd" in table and "1.00" in table and "0.9500" in table
+
+
+def test_non_finite_parameters_stop_the_run_before_a_result():
+    trainer = Trainer(TrainConfig(variant="dpsgd", noise_multiplier=1.0, out=None, **FAST))
+    with torch.no_grad():
+        next(trainer.model.parameters())[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite parameters after epoch 1"):
+        trainer.run()
+    assert trainer.history == []

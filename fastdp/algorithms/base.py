@@ -108,18 +108,32 @@ def summed_loss_gradients(model: torch.nn.Module, loss_fn, batch: Batch) -> tupl
 def release_noisy_mean(
     params: list[torch.nn.Parameter],
     sums: list[torch.Tensor],
-    stds: list[float],
+    stds: list[float] | torch.Tensor,
     expected_batch_size: float,
     seed: int,
     step: int,
     secure: bool,
 ) -> None:
     """p.grad = (sum + N(0, std^2)) / (q N) for each parameter: the noise is keyed by (seed, step) or, secure,
-    drawn from OS entropy; the divisor is the expected batch size, never the realised one."""
+    drawn from OS entropy; the divisor is the expected batch size, never the realised one.
+
+    ``stds`` may be a tensor on the sums' device (stds that depend on the weights, e.g. Lipschitz bounds): the
+    noise is then added as ``std * (sum / std + N(0, 1))``, the same Gaussian mechanism, with the std never read
+    on the host (no synchronisation). A zero std there is treated as 1e-30 (its sum is 0 by its bound)."""
+    if isinstance(stds, torch.Tensor):
+        scale = [s.to(total.dtype) for s, total in zip(stds.clamp_min(1e-30).unbind(), sums, strict=True)]
+        torch._foreach_div_(sums, scale)
+        _add_noise(sums, 1.0, seed, step, secure)
+        torch._foreach_mul_(sums, scale)
+    else:
+        _add_noise(sums, stds, seed, step, secure)
+    torch._foreach_div_(sums, expected_batch_size)
+    for p, total in zip(params, sums, strict=True):
+        p.grad = total.to(p.dtype)  # cast after the noise: post-processing
+
+
+def _add_noise(sums: list[torch.Tensor], stds, seed: int, step: int, secure: bool) -> None:
     if secure:
         add_noise_(sums, stds, secure=True)
     else:
         add_noise_(sums, stds, seed=seed, offset=step)
-    torch._foreach_div_(sums, expected_batch_size)
-    for p, total in zip(params, sums, strict=True):
-        p.grad = total.to(p.dtype)  # cast after the noise: post-processing

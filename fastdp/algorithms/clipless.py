@@ -24,6 +24,7 @@ import torch
 from fastdp.algorithms.base import Batch, Variant, release_noisy_mean, summed_loss_gradients, trainable_parameters
 from fastdp.nn.clip import clip_rows
 from fastdp.nn.lipschitz import LipschitzLoss, TauCrossEntropy, lipschitz_bounds, project_
+from fastdp.ops.spectral import deferred_finite_checks
 
 STRATEGIES = ("per-layer", "global")
 
@@ -64,7 +65,7 @@ class Clipless(Variant):
         self.strategy = strategy
         self.seed = seed
         self.secure = secure
-        self.last_bounds: list[float] = []
+        self.last_bounds: torch.Tensor | None = None  # Delta_l of the last step, one per trainable tensor
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> Clipless:
@@ -72,20 +73,27 @@ class Clipless(Variant):
         return cls(noise_multiplier, sample_rate, num_examples, loss=TauCrossEntropy(config.tau),
                    strategy=config.noise_strategy, seed=noise_seed, secure=config.secure)  # fmt: skip
 
-    def noise_stds(self, model: torch.nn.Module) -> list[float]:
-        """Noise std on the summed gradient of every trainable parameter, from the current bounds."""
+    def noise_stds(self, model: torch.nn.Module) -> torch.Tensor:
+        """Noise std on the summed gradient of every trainable parameter, from the current bounds: a float32 tensor
+        on the parameters' device, computed without reading any device value on the host."""
         x_bound = math.inf if self.input_bound is None else self.input_bound  # else the model's BoundedInput
         bounds = lipschitz_bounds(model, self.loss_fn, x_bound)
         params = trainable_parameters(model)
-        self.last_bounds = [bounds[p] for p in params]
+        device = params[0].device if params else torch.device("cpu")
+        # constant bounds are filled on the device (no host-to-device copy), weight-dependent ones are already there
+        self.last_bounds = torch.stack([
+            bounds[p].to(torch.float32) if isinstance(bounds[p], torch.Tensor)
+            else torch.full((), bounds[p], dtype=torch.float32, device=device)
+            for p in params
+        ]) if params else torch.zeros(0, device=device)  # fmt: skip
         if self.strategy == "global":
-            return [self.noise_multiplier * math.sqrt(sum(b * b for b in self.last_bounds))] * len(params)
-        per_tensor = self.noise_multiplier * math.sqrt(len(params))
-        return [per_tensor * b for b in self.last_bounds]
+            return (self.noise_multiplier * self.last_bounds.square().sum().sqrt()).expand(len(params))
+        return self.noise_multiplier * math.sqrt(len(params)) * self.last_bounds
 
     def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
         params = trainable_parameters(model)
-        stds = self.noise_stds(model)
+        with deferred_finite_checks():  # no host sync in the step; the trainer checks the weights every epoch
+            stds = self.noise_stds(model)
         if self.input_bound is not None:  # enforce X_0 on the inputs (a per-example projection)
             batch = Batch(clip_rows(batch.x, self.input_bound), batch.y, batch.mask)
         sums, loss = summed_loss_gradients(model, self.loss_fn, batch)
@@ -93,7 +101,8 @@ class Clipless(Variant):
         return loss
 
     def after_step(self, model: torch.nn.Module) -> None:
-        project_(model)
+        with deferred_finite_checks():
+            project_(model)
 
     def privacy_event(self) -> tuple[float, float]:
         return self.noise_multiplier, self.sample_rate
@@ -108,7 +117,7 @@ class Clipless(Variant):
             "loss_lipschitz": self.loss_fn.lipschitz,
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
-            "gradient_bounds": self.last_bounds,
+            "gradient_bounds": [] if self.last_bounds is None else self.last_bounds.tolist(),
         }
 
 

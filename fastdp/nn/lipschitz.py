@@ -17,6 +17,7 @@ estimates, which under-estimate. :func:`lipschitz_bounds` refuses models contain
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -50,16 +51,47 @@ __all__ = [
 CERTIFY_ITERS = 12
 
 
-class LipschitzModule(nn.Module):
-    """A layer with bound rules; the default is a parameter-free 1-Lipschitz map with ``f(0) = 0``."""
+Bound = float | torch.Tensor  # a Python float, or a 0-d tensor where it depends on the weights (no host sync)
 
-    def propagate(self, x_bound: float) -> float:
+
+def _minimum(a: Bound, b: Bound) -> Bound:
+    """min(a, b) for bounds that may be 0-d tensors, without reading them on the host."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.minimum(a, b)
+    if isinstance(a, torch.Tensor):
+        return a.clamp(max=b)
+    if isinstance(b, torch.Tensor):
+        return b.clamp(max=a)
+    return min(a, b)
+
+
+_bounds_pass = threading.local()  # memo of certified norms during one lipschitz_bounds call
+
+
+def _certified(module: nn.Module, compute) -> torch.Tensor:
+    """``compute()`` (a certified norm of ``module``'s current weights), once per :func:`lipschitz_bounds` call:
+    its forward and backward passes both need it, and the weights cannot change in between."""
+    memo = getattr(_bounds_pass, "memo", None)
+    if memo is None:
+        return compute()
+    if id(module) not in memo:
+        memo[id(module)] = compute()
+    return memo[id(module)]
+
+
+class LipschitzModule(nn.Module):
+    """A layer with bound rules; the default is a parameter-free 1-Lipschitz map with ``f(0) = 0``.
+
+    Bounds are Python floats where they are constants and 0-d tensors (on the weights' device) where they depend
+    on the weights, so computing them never synchronises with the device."""
+
+    def propagate(self, x_bound: Bound) -> Bound:
         return x_bound
 
-    def sensitivities(self, x_bound: float, g_bound: float) -> dict[nn.Parameter, float]:
+    def sensitivities(self, x_bound: Bound, g_bound: Bound) -> dict[nn.Parameter, Bound]:
         return {}
 
-    def backpropagate(self, g_bound: float) -> float:
+    def backpropagate(self, g_bound: Bound) -> Bound:
         return g_bound
 
     def project_(self) -> None:
@@ -78,8 +110,8 @@ class BoundedInput(LipschitzModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return clip_rows(x, self.bound)
 
-    def propagate(self, x_bound: float) -> float:
-        return min(self.bound, x_bound)
+    def propagate(self, x_bound: Bound) -> Bound:
+        return _minimum(self.bound, x_bound)
 
 
 PROJECTIONS = ("orthogonal", "clip", "fixed")
@@ -123,23 +155,24 @@ class LipschitzLinear(LipschitzModule):
             raise ValueError(f"LipschitzLinear with bias takes [B, d] inputs, got shape {tuple(x.shape)}")
         return F.linear(x, self.weight, self.bias)
 
-    def lipschitz(self) -> float:
-        # 12 Gram iterations: the bound exceeds sigma_max by at most a factor rank^(1/2^13) (1.0008 for rank 512)
-        return float(certified_spectral_norm(self.weight.detach(), iters=CERTIFY_ITERS))
+    def lipschitz(self) -> torch.Tensor:
+        """Certified ||W||_2 of the current weights (0-d tensor). 12 Gram iterations: the bound exceeds sigma_max
+        by at most a factor rank^(1/2^13) (1.0008 for rank 512)."""
+        return _certified(self, lambda: certified_spectral_norm(self.weight.detach(), iters=CERTIFY_ITERS))
 
-    def _bias_norm(self) -> float:
-        return 0.0 if self.bias is None else float(self.bias.detach().norm())
+    def _bias_norm(self) -> Bound:
+        return 0.0 if self.bias is None else self.bias.detach().norm()
 
-    def propagate(self, x_bound: float) -> float:
+    def propagate(self, x_bound: Bound) -> Bound:
         return self.lipschitz() * x_bound + self._bias_norm()
 
-    def sensitivities(self, x_bound: float, g_bound: float) -> dict[nn.Parameter, float]:
+    def sensitivities(self, x_bound: Bound, g_bound: Bound) -> dict[nn.Parameter, Bound]:
         out = {self.weight: g_bound * x_bound} if self.weight.requires_grad else {}
         if self.bias is not None and self.bias.requires_grad:
             out[self.bias] = g_bound
         return out
 
-    def backpropagate(self, g_bound: float) -> float:
+    def backpropagate(self, g_bound: Bound) -> Bound:
         return g_bound * self.lipschitz()
 
     @torch.no_grad()
@@ -149,9 +182,9 @@ class LipschitzLinear(LipschitzModule):
             self.weight.copy_(w * self.max_norm)
             self._u.copy_(u)
             return
-        norm = self.lipschitz()  # certified: after rescaling, ||W||_2 <= C for sure
-        if self.projection == "fixed" or norm > self.max_norm:
-            self.weight.mul_(self.max_norm / norm)
+        scale = self.max_norm / self.lipschitz()  # certified: after rescaling, ||W||_2 <= C for sure
+        # "clip" rescales only when above C (a factor of exactly 1 otherwise); decided on the device, no sync
+        self.weight.mul_(scale if self.projection == "fixed" else scale.clamp(max=1.0))
 
 
 class LipschitzConv2d(LipschitzModule):
@@ -189,17 +222,18 @@ class LipschitzConv2d(LipschitzModule):
         k = self.kernel_size
         return k * k if self.dilation != 1 else math.ceil(k / self.stride) ** 2
 
-    def _factor(self) -> float:
+    def _factor(self) -> torch.Tensor:
         matrix = self.weight.detach().reshape(self.weight.shape[0], -1)
-        return math.sqrt(self._overlap()) * float(certified_spectral_norm(matrix, iters=CERTIFY_ITERS))
+        norm = _certified(self, lambda: certified_spectral_norm(matrix, iters=CERTIFY_ITERS))
+        return math.sqrt(self._overlap()) * norm
 
-    def propagate(self, x_bound: float) -> float:
+    def propagate(self, x_bound: Bound) -> Bound:
         return self._factor() * x_bound
 
-    def sensitivities(self, x_bound: float, g_bound: float) -> dict[nn.Parameter, float]:
+    def sensitivities(self, x_bound: Bound, g_bound: Bound) -> dict[nn.Parameter, Bound]:
         return {self.weight: math.sqrt(self._overlap()) * x_bound * g_bound} if self.weight.requires_grad else {}
 
-    def backpropagate(self, g_bound: float) -> float:
+    def backpropagate(self, g_bound: Bound) -> Bound:
         return self._factor() * g_bound
 
     @torch.no_grad()
@@ -238,17 +272,16 @@ class AddBias(LipschitzModule):
             raise ValueError(f"AddBias takes [B, d] inputs (one bias per example), got shape {tuple(x.shape)}")
         return x + self.bias
 
-    def propagate(self, x_bound: float) -> float:
+    def propagate(self, x_bound: Bound) -> Bound:
         return x_bound + self.norm_max
 
-    def sensitivities(self, x_bound: float, g_bound: float) -> dict[nn.Parameter, float]:
+    def sensitivities(self, x_bound: Bound, g_bound: Bound) -> dict[nn.Parameter, Bound]:
         return {self.bias: g_bound} if self.bias.requires_grad else {}
 
     @torch.no_grad()
     def project_(self) -> None:
-        norm = self.bias.norm()
-        if norm > self.norm_max:
-            self.bias.mul_(self.norm_max / norm)
+        norm = self.bias.norm()  # rescaled only when outside the ball; decided on the device, no sync
+        self.bias.mul_(torch.where(norm > self.norm_max, self.norm_max / norm, 1.0))
 
 
 class GroupSort2(LipschitzModule):
@@ -295,13 +328,13 @@ class Residual(LipschitzModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 0.5 * (x + self.block(x))
 
-    def propagate(self, x_bound: float) -> float:
+    def propagate(self, x_bound: Bound) -> Bound:
         return 0.5 * (x_bound + _forward_bounds(self.block, x_bound)[-1])
 
-    def sensitivities(self, x_bound: float, g_bound: float) -> dict[nn.Parameter, float]:
+    def sensitivities(self, x_bound: Bound, g_bound: Bound) -> dict[nn.Parameter, Bound]:
         return _backward_bounds(self.block, _forward_bounds(self.block, x_bound), 0.5 * g_bound)[0]
 
-    def backpropagate(self, g_bound: float) -> float:
+    def backpropagate(self, g_bound: Bound) -> Bound:
         # dL/dx = g/2 + J_block^T (g/2): the block's rule is applied to g/2 itself (ClipGradient's is not linear);
         # gradient rules do not depend on the input bound, so any forward bound serves to walk the block.
         _, block_g = _backward_bounds(self.block, _forward_bounds(self.block, 1.0), 0.5 * g_bound)
@@ -323,8 +356,8 @@ class ClipGradient(LipschitzModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return clip_gradient(x, self.clip)
 
-    def backpropagate(self, g_bound: float) -> float:
-        return min(g_bound, self.clip)
+    def backpropagate(self, g_bound: Bound) -> Bound:
+        return _minimum(g_bound, self.clip)
 
 
 # ----------------------------------------------------------------------------------------------------- losses
@@ -418,25 +451,35 @@ def _check(layer: nn.Module) -> None:
     )
 
 
-def _forward_bounds(model: nn.Module, x_bound: float) -> list[float]:
-    """[X_0, X_1, ..., X_D]: input-norm bound of every layer, then the output bound."""
+_UNBOUNDED = (
+    "infinite gradient bound: the input norm is unbounded; start the model with BoundedInput(X_0) or give input_bound"
+)
+
+
+def _forward_bounds(model: nn.Module, x_bound: Bound) -> list[Bound]:
+    """[X_0, X_1, ..., X_D]: input-norm bound of every layer, then the output bound.
+
+    An infinite bound is a constant (a float) until a layer with weights meets it: refused there, on the host, so
+    the tensor bounds after it are finite whenever the weights are (no device value is read)."""
     bounds = [x_bound]
     for layer in _layers(model):
         _check(layer)
         if isinstance(layer, nn.Sequential):
             bounds.append(_forward_bounds(layer, bounds[-1])[-1])
         elif isinstance(layer, LipschitzModule):
+            if isinstance(bounds[-1], float) and math.isinf(bounds[-1]) and any(True for _ in layer.parameters()):
+                raise ValueError(_UNBOUNDED)
             bounds.append(layer.propagate(bounds[-1]))
         else:
             bounds.append(bounds[-1])
     return bounds
 
 
-def _backward_bounds(model: nn.Module, x_bounds: list[float], g_bound: float) -> tuple[dict, float]:
+def _backward_bounds(model: nn.Module, x_bounds: list[Bound], g_bound: Bound) -> tuple[dict, Bound]:
     """(parameter -> per-example gradient bound, gradient bound at the model input)."""
-    sensitivities: dict[nn.Parameter, float] = {}
+    sensitivities: dict[nn.Parameter, Bound] = {}
 
-    def add(found: dict[nn.Parameter, float]) -> None:
+    def add(found: dict[nn.Parameter, Bound]) -> None:
         # A parameter used by several layers has the sum of its uses' gradients: bounds add up.
         for p, bound in found.items():
             sensitivities[p] = sensitivities.get(p, 0.0) + bound
@@ -451,24 +494,27 @@ def _backward_bounds(model: nn.Module, x_bounds: list[float], g_bound: float) ->
     return sensitivities, g_bound
 
 
-def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float = math.inf) -> dict[nn.Parameter, float]:
+def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float = math.inf) -> dict[nn.Parameter, Bound]:
     """Per-example gradient-norm bound Delta_l of every trainable parameter (Algorithm 1 of papers/00, for the
     summed loss: no 1/b). ``input_bound`` is X_0 unless the model starts with :class:`BoundedInput`.
 
-    Raises ValueError for a module without bound rules, a trainable parameter no rule covers, or an infinite
-    bound (no finite input bound anywhere before a parametrised layer).
+    Bounds that depend on the weights are 0-d tensors on their device (computed without a host synchronisation;
+    each layer's certified norm once per call), the others floats. Raises ValueError for a module without bound
+    rules, a trainable parameter no rule covers, or an infinite bound (no finite input bound anywhere before a
+    parametrised layer). Non-finite weights give non-finite tensor bounds: checking them is the caller's (the
+    trainer checks the parameters once per epoch).
     """
-    sensitivities, _ = _backward_bounds(model, _forward_bounds(model, input_bound), loss.lipschitz)
+    _bounds_pass.memo = {}
+    try:
+        sensitivities, _ = _backward_bounds(model, _forward_bounds(model, float(input_bound)), loss.lipschitz)
+    finally:
+        _bounds_pass.memo = None
     trainable = [p for p in model.parameters() if p.requires_grad]
     missing = [p for p in trainable if p not in sensitivities]
     if missing:
         raise ValueError(f"{len(missing)} trainable parameters are not covered by a Lipschitz layer's bound rule")
-    infinite = [p for p, s in sensitivities.items() if not math.isfinite(s)]
-    if infinite:
-        raise ValueError(
-            "infinite gradient bound: the input norm is unbounded; start the model with BoundedInput(X_0) or give "
-            "input_bound"
-        )
+    if any(isinstance(s, float) and not math.isfinite(s) for s in sensitivities.values()):
+        raise ValueError(_UNBOUNDED)
     return sensitivities
 
 

@@ -24,6 +24,9 @@ the reference.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from fastdp import _backend, _ext
@@ -33,6 +36,7 @@ __all__ = [
     "certified_spectral_norm",
     "certified_spectral_norms",
     "conv_operator_norm",
+    "deferred_finite_checks",
     "power_iteration",
 ]
 
@@ -75,8 +79,24 @@ def _check_matrices(op: str, weights) -> None:
             raise ValueError(f"fastdp {op}: weights[{i}] is on {w.device} but weights[0] on {device}; use one device")
 
 
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_finite_checks():
+    """Skip the per-call finiteness check (one host synchronisation each) inside this block, e.g. in a training
+    step that must not synchronise; the caller then owns the check (the trainer checks the parameters once per
+    epoch: non-finite weights give non-finite bounds, noise and parameters, never a silent finite result)."""
+    previous = getattr(_deferred, "on", False)
+    _deferred.on = True
+    try:
+        yield
+    finally:
+        _deferred.on = previous
+
+
 def _check_finite(op: str, tensors: list[torch.Tensor], what: str) -> None:
-    if not CHECK_FINITE or not tensors:
+    if not CHECK_FINITE or not tensors or getattr(_deferred, "on", False):
         return
     finite = torch.stack([torch.isfinite(t).all() for t in tensors])
     if not bool(finite.all()):

@@ -220,6 +220,19 @@ class Trainer:
             low, high = (mid, high) if eps(mid) <= target else (low, mid)
         return low
 
+    def _check_finite_parameters(self) -> None:
+        """One host sync per epoch: steps do not check their own numbers (that would synchronise every step), so a
+        NaN/Inf that reached the weights (from the data, a diverging learning rate, or a non-finite bound) stops the
+        run here, before an epoch record, a checkpoint or an epsilon is written for a broken model."""
+        params = [p for p in self.model.parameters()]
+        if not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+            return
+        bad = [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        raise FloatingPointError(
+            f"non-finite parameters after epoch {self.epoch} (step {self.step}): {', '.join(bad)}. Check the data for "
+            "NaN/Inf and lower the learning rate; no result or checkpoint is written for this run"
+        )
+
     def run(self) -> dict:
         config = self.config
         if config.resume:
@@ -247,6 +260,7 @@ class Trainer:
             seconds = time.perf_counter() - start
             self.train_seconds += seconds
             self.epoch += 1
+            self._check_finite_parameters()
             record = {
                 "epoch": self.epoch,
                 "step": self.step,
