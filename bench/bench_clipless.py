@@ -12,6 +12,7 @@ bench/results/<device>-clipless.csv.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor)
     return step
 
 
+def build(provider: str, x: torch.Tensor, y: torch.Tensor):
+    """The step closure of ``provider`` on a fresh, identically initialised model."""
+    torch.manual_seed(0)
+    return make_step(provider, vgg5_small().to(x.device), x, y)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -65,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     batches = args.batches or ([256, 1024] if device.type == "cpu" else [256, 1024, 4096, 16384, 50000])
-    measure = harness.timer(device, args.repeats, warmup=1)
     info = harness.run_info(device)
     device_name = info["device"]
     params = sum(p.numel() for p in vgg5_small().parameters())
@@ -75,19 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(b, 3, 32, 32, generator=gen).to(device)
         y = torch.randint(0, 10, (b,), generator=gen).to(device)
-        base = None
-        for provider in ("nonprivate", "clipless"):
-            torch.manual_seed(0)
-            model = vgg5_small().to(device)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            try:
-                med, p20, p80 = measure(make_step(provider, model, x, y))
-            except torch.OutOfMemoryError:
+        results = harness.compare({p: functools.partial(build, p, x, y) for p in ("nonprivate", "clipless")}, device,
+                                  args.repeats, warmup=1)  # fmt: skip
+        base = (results.get("nonprivate") or (None,))[0]
+        for provider, result in results.items():
+            if result is None:
                 print(f"batch {b:6d} {provider:10s} out of memory", flush=True)
                 continue
-            peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-            base = med if provider == "nonprivate" else base
+            med, p20, p80, peak = result
             ratio = med / base if base else float("nan")
             rows.append(dict(workload="vgg5-small", params=params, provider=provider, batch=b, median_ms=f"{med:.2f}",
                              p20_ms=f"{p20:.2f}", p80_ms=f"{p80:.2f}", time_vs_nonprivate=f"{ratio:.3f}",
