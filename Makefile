@@ -1,5 +1,5 @@
 # fastdp: make demo (train private models, print accuracy and epsilon), make test (the suite),
-# make bench (noise benchmark), make lint.
+# make bench (every benchmark in bench/, results appended to bench/results/), make lint.
 # The venv is created on first use; torch is pinned to the local CPU wheel
 # (an unpinned torch pulls several GB of CUDA packages).
 PYTHON ?= python3
@@ -33,7 +33,8 @@ lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 bench: install
-	$(BIN)/python bench/bench_noise.py
+	cd bench && for b in bench_dpsgd bench_jl bench_clipless bench_noise bench_norms bench_clip bench_lipschitz; do \
+		../$(BIN)/python $$b.py || exit 1; done
 
 clean:
 	rm -rf build *.egg-info fastdp/*.so $(STAMP)
