@@ -27,7 +27,6 @@ from fastdp.privacy.jl import (  # noqa: E402
     check_jl_mechanism,
     jl_epsilon,
     jl_epsilon_of_runs,
-    jl_noise_multiplier,
     jl_privacy_loss_distribution,
     jl_tail_mass,
 )
@@ -154,7 +153,7 @@ def test_runs_compose_and_merge():
 
 def test_noise_multiplier_calibration():
     target, q, n, r = 3.0, 0.01, 1000, 30
-    sigma = jl_noise_multiplier(target, DELTA, q, n, r)
+    sigma = get_noise_multiplier(target, DELTA, q, n, accountant="pld", projections=r)
     eps = jl_epsilon(sigma, q, r, n, DELTA)
     assert 0.99 * target <= eps <= target, f"sigma={sigma}: epsilon {eps}"
     assert sigma > get_noise_multiplier(target, DELTA, q, n, accountant="pld")  # JL needs more noise
@@ -162,7 +161,7 @@ def test_noise_multiplier_calibration():
 
 def test_noise_multiplier_unreachable():
     with pytest.raises(ValueError, match="unreachable"):
-        jl_noise_multiplier(1.0, DELTA, 1.0, 1, 1, max_noise_multiplier=2.0)
+        get_noise_multiplier(1.0, DELTA, 1.0, 1, accountant="pld", projections=1, max_noise_multiplier=2.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,7 +176,7 @@ def test_rdp_refused():
     with pytest.raises(ValueError, match="RDP cannot account DP-SGD-JL"):
         jl_epsilon(1.0, 0.01, 10, 100, DELTA, mechanism="rdp")
     with pytest.raises(ValueError, match="RDP cannot account DP-SGD-JL"):
-        jl_noise_multiplier(3.0, DELTA, 0.01, 100, 10, mechanism="rdp")
+        get_noise_multiplier(3.0, DELTA, 0.01, 100, accountant="rdp", projections=10)
     with pytest.raises(ValueError, match="unknown accountant mechanism"):
         check_jl_mechanism("moments")
 

@@ -65,7 +65,8 @@ How the upper bound is built (every approximation below is pessimistic)
     Step PLDs are cached per (sigma, q, r, Delta, bins, tail cut). Measured on 2 CPU cores: a step PLD takes
     0.3-0.7 s (r >= 10, q >= 0.01; r = 5 about 1.5 s), so one step at sigma = 1, or 1000 steps at q = 0.01 with
     r = 10, cost about 0.6 s in all; 10000 steps at q = 0.001, r = 10 (Delta = 1e-4) about 2.5 s; r = 5 there
-    about 17 s (its tail is heavy). :func:`jl_noise_multiplier` needs 4-6 such evaluations.
+    about 17 s (its tail is heavy). Calibration (``fastdp.privacy.accounting.get_noise_multiplier`` with
+    ``projections=r``) needs several such evaluations.
 """
 
 from __future__ import annotations
@@ -86,7 +87,6 @@ __all__ = [
     "check_jl_mechanism",
     "jl_epsilon",
     "jl_epsilon_of_runs",
-    "jl_noise_multiplier",
     "jl_privacy_loss_distribution",
     "jl_tail_mass",
 ]
@@ -471,99 +471,3 @@ def jl_epsilon(
         bins=bins,
         mechanism=mechanism,
     )
-
-
-def jl_noise_multiplier(
-    target_epsilon: float,
-    delta: float,
-    sample_rate: float,
-    steps: int,
-    projections: float,
-    *,
-    epsilon_tolerance: float = 0.01,
-    max_noise_multiplier: float = 1e3,
-    value_discretization_interval: float | None = None,
-    bins: int = DEFAULT_BINS,
-    mechanism: str = "pld",
-) -> float:
-    """Noise multiplier sigma such that ``steps`` DP-SGD-JL steps with r = ``projections`` are
-    (target_epsilon, delta)-DP, with ``(1 - epsilon_tolerance) * target <= epsilon(sigma) <= target``.
-
-    Epsilon decreases with sigma: bracket by doubling (or halving) from sigma = 1, then a safeguarded secant of
-    log(epsilon) against log(sigma). If the discretised epsilon jumps over the window, the smallest sigma found
-    within budget is returned. Each new sigma builds a new step PLD (about 0.3-2 s).
-
-    Args:
-        target_epsilon: finite, > 0.
-        delta: 0 < delta < 1.
-        sample_rate: q in (0, 1].
-        steps: integer >= 1.
-        projections: r, integer >= 1 or ``math.inf``.
-        epsilon_tolerance: relative slack below the target, in (0, 1).
-        max_noise_multiplier: largest sigma tried; ``ValueError`` if even it misses the target.
-    """
-    check_jl_mechanism(mechanism)
-    eps_target = _real(target_epsilon, "target_epsilon")
-    if not (eps_target > 0 and math.isfinite(eps_target)):
-        raise ValueError(f"target_epsilon must be finite and > 0, got {eps_target}")
-    delta = _check_delta(delta)
-    q = _check_sample_rate(sample_rate, allow_zero=False)
-    steps = _count(steps, "steps", 1)
-    r = _check_projections(projections)
-    tol = _real(epsilon_tolerance, "epsilon_tolerance")
-    if not 0 < tol < 1:
-        raise ValueError(f"epsilon_tolerance must be in (0, 1) (relative slack below the target), got {tol}")
-    sigma_max = _real(max_noise_multiplier, "max_noise_multiplier")
-    if not (sigma_max > 0 and math.isfinite(sigma_max)):
-        raise ValueError(f"max_noise_multiplier must be finite and > 0, got {sigma_max}")
-    interval = _check_interval(value_discretization_interval, q)
-    bins = _count(bins, "bins", 1)
-
-    def epsilon(sigma: float) -> float:
-        return _epsilon(((sigma, q, r, steps),), delta, interval, bins)
-
-    low_enough = (1 - tol) * eps_target
-    aim = math.log((1 - tol / 2) * eps_target)  # the middle of the accepted window
-    # Bracket [lo, hi] with eps(lo) > target >= eps(hi), doubling or halving from sigma = 1 (lo = 0: eps = inf).
-    lo, eps_lo, sigma = 0.0, math.inf, min(1.0, sigma_max)
-    while True:
-        e = epsilon(sigma)
-        if e <= eps_target:
-            hi, eps_hi = sigma, e
-            break
-        if sigma >= sigma_max:
-            raise ValueError(
-                f"unreachable: target_epsilon={eps_target} with delta={delta}, sample_rate={q}, steps={steps}, "
-                f"projections={r} needs a noise multiplier above max_noise_multiplier={sigma_max} (which gives "
-                f"epsilon={e:.4g}); use more projections, fewer steps, a smaller sample rate or a larger epsilon"
-            )
-        lo, eps_lo, sigma = sigma, e, min(2 * sigma, sigma_max)
-    if eps_hi >= low_enough:
-        return hi
-    while lo == 0 and hi > 1e-6:  # sigma = 1 was within budget: halve until it is not
-        sigma = hi / 2
-        e = epsilon(sigma)
-        if e > eps_target:
-            lo, eps_lo = sigma, e
-        else:
-            hi, eps_hi = sigma, e
-            if e >= low_enough:
-                return hi
-    # Shrink the bracket: secant of log(eps) against log(sigma) (epsilon is close to a power law in sigma), kept
-    # 10 % inside the bracket so that it always shrinks; bisection where eps(lo) is not finite.
-    while eps_hi < low_enough and hi - lo > 1e-6 * hi:
-        x_lo, x_hi = math.log(lo), math.log(hi)
-        if math.isfinite(eps_lo) and eps_hi > 0:
-            y_lo, y_hi = math.log(eps_lo), math.log(eps_hi)
-            x = x_hi + (aim - y_hi) * (x_hi - x_lo) / (y_hi - y_lo)
-            margin = 0.1 * (x_hi - x_lo)
-            x = min(max(x, x_lo + margin), x_hi - margin)
-        else:
-            x = (x_lo + x_hi) / 2
-        sigma = math.exp(x)
-        e = epsilon(sigma)
-        if e <= eps_target:
-            hi, eps_hi = sigma, e
-        else:
-            lo, eps_lo = sigma, e
-    return hi
