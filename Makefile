@@ -32,9 +32,33 @@ test: install
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
+# compare.py: one process per library (torch, Opacus, fastdp variants, tf-privacy if `make bench-tf` was run);
+# `$(BIN)/python bench/compare.py --full` for the long run.
 bench: install
 	cd bench && for b in bench_dpsgd bench_jl bench_clipless bench_noise bench_norms bench_clip bench_lipschitz; do \
 		../$(BIN)/python $$b.py || exit 1; done
+	$(BIN)/python bench/compare.py --tf-python $(TF_VENV)/bin/python
+
+# tf-privacy's own venv (TensorFlow 2.14.1 and numpy 1.26, which fastdp's venv cannot hold), read by compare.py.
+# Needs Python 3.11 and PyPI (about 600 MB of wheels).
+TF_PYTHON ?= python3.11
+TF_VENV   ?= $(VENV)/tf-privacy
+.PHONY: bench-tf
+bench-tf: $(TF_VENV)/.installed
+
+$(TF_VENV)/.installed: bench/requirements-tf.txt
+	$(TF_PYTHON) -m venv $(TF_VENV)
+	$(TF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TF_VENV)/bin/python -m pip install --quiet -r bench/requirements-tf.txt
+	touch $@
+
+# Paper tables (issue 7): papers/00, 01 and 02 reproduced beside the published numbers, written to
+# bench/results/reproduction.md (+ reproduction_runs.csv, reproduction_plot.csv); <= 30 min on 2 CPU cores.
+# make reproduce REPRODUCE_ARGS=--full: the larger, paper-protocol sweeps (hours).
+REPRODUCE_ARGS ?=
+.PHONY: reproduce
+reproduce: install
+	$(BIN)/python -m bench.reproduce $(REPRODUCE_ARGS)
 
 clean:
 	rm -rf build *.egg-info fastdp/*.so $(STAMP)
