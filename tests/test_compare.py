@@ -1,0 +1,120 @@
+"""bench/compare.py's machinery on a tiny workload: providers in their own subprocesses, the CSV it writes, the
+growth caps and the plot fallback. The benchmark itself (``make bench``) is not run here."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture
+def compare(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("compare")
+
+
+def test_two_providers_in_subprocesses_write_the_csv(compare, monkeypatch, tmp_path, capsys):
+    calls = []
+    real_run_job = compare.run_job
+
+    def spy(job, python, script, timeout, memory_cap_mb=0):
+        rows, error = real_run_job(job, python, script, timeout, memory_cap_mb)
+        calls.append((job, rows, error))
+        return rows, error
+
+    monkeypatch.setattr(compare, "run_job", spy)
+    out = tmp_path / "cpu-compare.csv"
+    argv = ["--device", "cpu", "--workloads", "mlp-256", "--providers", "nonprivate", "fastdp-dpsgd", "tf-privacy",
+            "--batch", "8", "--repeats", "2", "--warmup", "1", "--out", str(out),
+            "--tf-python", str(tmp_path / "no-venv")]  # fmt: skip
+    assert compare.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tf-privacy skipped: no tf-privacy venv" in printed, printed
+
+    assert [job["provider"] for job, _, _ in calls] == ["nonprivate", "fastdp-dpsgd"]
+    assert all(error == "" for _, _, error in calls), [error for _, _, error in calls]
+    pids = [rows[0]["pid"] for _, rows, _ in calls]
+    assert len(set(pids)) == 2 and os.getpid() not in pids, f"each provider must run in its own process: {pids}"
+
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == compare.COLUMNS
+    assert [(r["workload"], r["provider"], r["library"], r["batch"], r["status"]) for r in rows] == [
+        ("mlp-256", "nonprivate", "torch", "8", "ok"),
+        ("mlp-256", "fastdp-dpsgd", "fastdp", "8", "ok"),
+        ("mlp-256", "tf-privacy", "tensorflow-privacy", "8", "skipped"),  # marked as not run, never filled in
+    ]
+    assert rows[2]["median_ms"] == "nan" and "make bench-tf" in rows[2]["note"], rows[2]
+    rows = rows[:2]
+    for r in rows:
+        med, p20, p80 = float(r["median_ms"]), float(r["p20_ms"]), float(r["p80_ms"])
+        assert 0 < p20 <= med <= p80, r
+        assert r["mem_kind"] == "cpu-peak-rss-delta" and math.isfinite(float(r["peak_mem_mb"])), r
+        assert r["params"] == "669706" and r["device"] and r["torch"] and r["date"], r
+        assert r["largest_batch"] == "" and r["repeats"] == "2", r
+    base, dp = rows
+    assert float(base["time_vs_nonprivate"]) == 1.0
+    assert float(dp["time_vs_nonprivate"]) == pytest.approx(float(dp["median_ms"]) / float(base["median_ms"]), rel=2e-3)
+
+
+def test_a_worker_over_the_memory_cap_is_killed(compare, tmp_path):
+    script = tmp_path / "hog.py"
+    script.write_text(
+        "import sys, time\n"
+        f"print({compare.RESULT_TAG!r} + '{{\"batch\": 1}}', flush=True)\n"
+        "hog = bytearray(400 * 2**20)  # zero pages become resident when written\n"
+        "hog[:: 4096] = b'x' * len(hog[:: 4096])\n"
+        "time.sleep(20)\n"
+    )
+    start = time.monotonic()
+    rows, error = compare.run_job({}, sys.executable, script, timeout=60, memory_cap_mb=150)
+    assert error.startswith("killed by compare.py: resident set over the 150 MB cap"), error
+    assert rows == [{"batch": 1}] and time.monotonic() - start < 15  # results before the kill are kept
+
+
+def test_growth_batches_and_caps(compare):
+    assert compare.growth_batches(32, 50_000)[:3] == [32, 64, 128]
+    assert compare.growth_batches(32, 50_000)[-2:] == [32_768, 50_000]
+    assert compare.growth_batches(32, 256) == [32, 64, 128, 256]
+    job = dict(growth=True, memory_budget_mb=1000.0, max_step_ms=1500.0)
+    assert compare.next_stop(job, 64, 128, median_ms=100.0, peak_mb=400.0) == ""
+    assert compare.next_stop(job, 64, 128, median_ms=100.0, peak_mb=600.0).startswith("memory budget 1000 MB")
+    assert compare.next_stop(job, 64, 128, median_ms=800.0, peak_mb=100.0).startswith("step-time cap 1.5 s")
+    assert compare.next_stop(job, 256, None, median_ms=1.0, peak_mb=1.0) == "max batch 256"
+    gpu = dict(growth=True, memory_budget_mb=0, max_step_ms=0)  # GPU: no caps, the growth ends at OOM
+    assert compare.next_stop(gpu, 64, 128, median_ms=1e9, peak_mb=1e9) == ""
+
+
+def test_ratios_largest_batch_and_plot_data(compare, tmp_path):
+    def row(provider, batch, med, mem, status="ok", stop=""):
+        return dict(workload="lipcnn-130k", params=128700, provider=provider, batch=batch, median_ms=med,
+                    peak_mem_mb=mem, status=status, stopped_by=stop, growth=True, mem_kind="cpu-peak-rss-delta",
+                    device="cpu-test", date="2026-01-01")  # fmt: skip
+
+    rows = [row("nonprivate", 32, 10.0, 100.0), row("nonprivate", 64, 20.0, 200.0, stop="max batch 64"),
+            row("opacus-hooks", 32, 40.0, 400.0),
+            row("opacus-hooks", 64, math.nan, math.nan, "oom", "out of memory")]  # fmt: skip
+    compare.add_ratios(rows)
+    assert [r["time_vs_nonprivate"] for r in rows[:3]] == [1.0, 1.0, 4.0]
+    assert rows[2]["mem_vs_nonprivate"] == 4.0 and math.isnan(rows[3]["time_vs_nonprivate"])
+    assert [r["largest_batch"] for r in rows] == [64, 64, 32, 32]
+    assert rows[2]["stopped_by"] == "out of memory"
+    written = compare.plot(rows, tmp_path / "cpu-test-compare")
+    assert written and all(p.exists() for p in written)
+    if written[0].suffix == ".csv":  # no matplotlib in this venv: the plot data instead of PNGs
+        with written[0].open() as f:
+            assert [(r["provider"], r["batch"], r["status"]) for r in csv.DictReader(f)] == [
+                ("nonprivate", "32", "ok"), ("nonprivate", "64", "ok"), ("opacus-hooks", "32", "ok"),
+                ("opacus-hooks", "64", "oom"),
+            ]  # fmt: skip
+    else:
+        assert sorted(p.name for p in written) == ["cpu-test-compare-memory.png", "cpu-test-compare-time.png"]
