@@ -20,8 +20,8 @@ import harness
 import torch
 from torch import nn
 
-from fastdp.algorithms import Batch, Clipless
-from fastdp.nn.lipschitz import BoundedInput, GroupSort2, L2NormPool2d, LipschitzConv2d, LipschitzLinear, project_
+from fastdp.algorithms import Clipless
+from fastdp.nn.lipschitz import BoundedInput, GroupSort2, L2NormPool2d, LipschitzConv2d, LipschitzLinear
 
 
 def vgg5_small(classes: int = 10) -> nn.Module:
@@ -35,26 +35,10 @@ def vgg5_small(classes: int = 10) -> nn.Module:
 
 
 def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     if provider == "nonprivate":
-        criterion = nn.CrossEntropyLoss()
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            criterion(model(x), y).backward()
-            optimizer.step()
-
-        return step
+        return harness.nonprivate_step(model, x, y, 0.01)
     variant = Clipless(2.0, sample_rate=x.shape[0] / 50_000, num_examples=50_000, seed=0)
-    batch = Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
-    counter = iter(range(1 << 62))
-
-    def step():
-        variant.gradient(model, batch, next(counter))
-        optimizer.step()
-        project_(model)
-
-    return step
+    return harness.variant_step(variant, model, x, y, 0.01)  # after_step: the projection
 
 
 def build(provider: str, x: torch.Tensor, y: torch.Tensor):

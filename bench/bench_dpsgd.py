@@ -20,7 +20,7 @@ import harness
 import torch
 from torch import nn
 
-from fastdp.algorithms import DPSGD, Batch
+from fastdp.algorithms import DPSGD
 from fastdp.train.models import build_model
 
 CLIP, SIGMA, LR = 1.0, 1.0, 0.01
@@ -69,26 +69,10 @@ def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor)
     """A closure running one full training step of ``provider`` on (x, y)."""
     b = x.shape[0]
     if provider == "nonprivate":
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        criterion = nn.CrossEntropyLoss()
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            criterion(model(x), y).backward()
-            optimizer.step()
-
-        return step
+        return harness.nonprivate_step(model, x, y, LR)
     if provider == "fastdp":
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         variant = DPSGD(CLIP, SIGMA, sample_rate=b / 60_000, num_examples=60_000, seed=0)
-        batch = Batch(x, y, torch.ones(b, dtype=torch.bool, device=x.device))
-        counter = iter(range(1 << 62))
-
-        def step():
-            variant.gradient(model, batch, next(counter))
-            optimizer.step()
-
-        return step
+        return harness.variant_step(variant, model, x, y, LR)
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
 

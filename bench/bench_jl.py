@@ -20,7 +20,7 @@ import harness
 import torch
 from torch import nn
 
-from fastdp.algorithms import DPSGD, JL, Batch
+from fastdp.algorithms import DPSGD, JL
 
 CLIP, SIGMA, LR, N = 1.0, 1.0, 0.01, 60_000
 
@@ -32,28 +32,14 @@ def mlp() -> nn.Module:
 def make_step(provider: str, x: torch.Tensor, y: torch.Tensor):
     torch.manual_seed(0)
     model = mlp().to(x.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     b = x.shape[0]
     if provider == "nonprivate":
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-
-        return step
+        return harness.nonprivate_step(model, x, y, LR)
     if provider == "dpsgd":
         variant = DPSGD(CLIP, SIGMA, sample_rate=b / N, num_examples=N, seed=0)
     else:
         variant = JL(CLIP, SIGMA, sample_rate=b / N, num_examples=N, projections=int(provider[3:]), seed=0)
-    batch = Batch(x, y, torch.ones(b, dtype=torch.bool, device=x.device))
-    counter = iter(range(1 << 62))
-
-    def step():
-        variant.gradient(model, batch, next(counter))
-        optimizer.step()
-
-    return step
+    return harness.variant_step(variant, model, x, y, LR)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -213,9 +213,10 @@ def warm_baseline(build) -> float:
 def build_step(job: dict, batch: int):
     """(step closure, trainable parameter count) of ``job``'s provider and workload at ``batch``."""
     import bench_dpsgd
+    import harness
     import torch
 
-    from fastdp.algorithms import JL, BackpropClip, Batch, Clipless, WeightClip
+    from fastdp.algorithms import JL, BackpropClip, Clipless, WeightClip
 
     provider, workload, device = job["provider"], job["workload"], torch.device(job["device"])
     gen = torch.Generator().manual_seed(0)
@@ -241,16 +242,7 @@ def build_step(job: dict, batch: int):
         "fastdp-clipless": lambda: Clipless(sigma, q, n, seed=0),
         "fastdp-weightclip": lambda: WeightClip(sigma, q, n, seed=0),
     }[provider]()
-    optimizer = torch.optim.SGD(model.parameters(), lr=bench_dpsgd.LR)
-    data = Batch(x, y, torch.ones(batch, dtype=torch.bool, device=device))
-    counter = itertools.count()
-
-    def step():
-        variant.gradient(model, data, next(counter))
-        optimizer.step()
-        variant.after_step(model)
-
-    return step, params
+    return harness.variant_step(variant, model, x, y, bench_dpsgd.LR), params
 
 
 def _is_oom(err: BaseException) -> bool:

@@ -75,6 +75,35 @@ def compare(builders: dict, device: torch.device, repeats: int, warmup: int = 2)
     return results
 
 
+def nonprivate_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float):
+    """A closure running one non-private SGD step (mean cross-entropy) of ``model`` on (x, y)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def variant_step(variant, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float):
+    """A closure running one private step of a fastdp variant on (x, y): gradient (clipping or bounds, noise keyed
+    by a fresh step index), SGD update, then the variant's post-step hook (e.g. the Lipschitz projection)."""
+    from fastdp.algorithms import Batch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    batch = Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
+    counter = iter(range(1 << 62))
+
+    def step():
+        variant.gradient(model, batch, next(counter))
+        optimizer.step()
+        variant.after_step(model)
+
+    return step
+
+
 def run_info(device: torch.device) -> dict:
     """Columns every result row carries: device, threads, versions, date. Also printed as the run's header."""
     try:
