@@ -274,18 +274,8 @@ class _ClipGradientFunction(torch.autograd.Function):
         return _clip_gradient_grad(ctx, grad)
 
 
-class _ClipUpstreamReference(torch.autograd.Function):
-    """Identity forward, reference clip of the gradient in the backward (differentiable to any order)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, bound, norm):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _save_bound(ctx, inputs, output)
+class _ClipUpstreamReference(_ClipGradientFunction):
+    """The same forward; the backward is the reference clip of the gradient (differentiable to any order)."""
 
     @staticmethod
     def backward(ctx, grad):
