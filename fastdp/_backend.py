@@ -13,6 +13,8 @@ import importlib.util
 import os
 import warnings
 
+import torch
+
 from fastdp import _ext
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
@@ -35,6 +37,13 @@ VALIDATED: dict[str, dict[str, tuple[str, ...]]] = {
     "spectral": {"cpu": (), "cuda": ()},
     "orthogonal": {"cpu": (), "cuda": ()},
 }
+
+
+def eager(tensors) -> bool:
+    """True for plain tensors outside torch.compile: a fastdp op's entry point then runs its implementation
+    directly. The dispatcher's Python wrappers of ``torch.ops.fastdp`` cost 20-80 us a call, as much as a small
+    model's kernels; under tracing, fake or subclassed tensors the op is called, so graphs record it."""
+    return not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors)
 
 
 def _parse(name: str) -> str:

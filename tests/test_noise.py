@@ -307,6 +307,17 @@ def test_opcheck(device_backend):
     )
 
 
+def test_eager_entry_point_equals_the_op(device_backend):
+    """Eager calls skip the dispatcher (fastdp._backend.eager) and must draw exactly what the registered op draws."""
+    device, _ = device_backend
+    grads = [torch.randn(37, device=device), torch.randn(4, 5, device=device)]
+    direct, via_op = [g.clone() for g in grads], [g.clone() for g in grads]
+    add_noise_(direct, [1.0, 2.0], seed=3, offset=4)
+    torch.ops.fastdp.add_noise_(via_op, [1.0, 2.0], 3, 4, 1)
+    for a, b in zip(direct, via_op, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_compiles_fullgraph(restore_backend):
     """The op traces into a torch.compile graph (no graph break) and draws the same noise."""
     fastdp.set_backend("cuda")

@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from fastdp.nn.layers import own_trainable
 from fastdp.ops import add_noise_
 
 
@@ -82,7 +83,9 @@ class Variant(abc.ABC):
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
+    """``[p for p in model.parameters() if p.requires_grad]``, without ``parameters()``' per-module generators
+    (every step calls it)."""
+    return list(dict.fromkeys(p for m in model.modules() for p in own_trainable(m)))
 
 
 def sum_dtype(p: torch.Tensor) -> torch.dtype:
@@ -127,7 +130,8 @@ def release_noisy_mean(
         torch._foreach_mul_(sums, scale)
     else:
         _add_noise(sums, stds, seed, step, secure)
-    torch._foreach_div_(sums, expected_batch_size)
+    if expected_batch_size != 1.0:  # 1.0: the caller folded the division into the sums and stds
+        torch._foreach_div_(sums, expected_batch_size)
     for p, total in zip(params, sums, strict=True):
         p.grad = total.to(p.dtype)  # cast after the noise: post-processing
 

@@ -5,7 +5,17 @@ from __future__ import annotations
 from torch import nn
 
 from fastdp.nn.ghost import GhostClipping, active_context
-from fastdp.nn.layers import DP_LAYERS, Conv1d, Conv2d, DPLayer, Embedding, GroupNorm, LayerNorm, Linear
+from fastdp.nn.layers import (
+    DP_LAYERS,
+    Conv1d,
+    Conv2d,
+    DPLayer,
+    Embedding,
+    GroupNorm,
+    LayerNorm,
+    Linear,
+    own_trainable,
+)
 
 __all__ = [
     "Conv1d",
@@ -36,58 +46,51 @@ class UnsupportedLayerError(ValueError):
     """A model has trainable parameters in modules fastdp cannot clip per example."""
 
 
-def _unsupported(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [
-        (name, module)
-        for name, module in model.named_modules()
-        if not isinstance(module, DPLayer) and any(p.requires_grad for p in module.parameters(recurse=False))
-    ]
-
-
 _MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
 
 
 def check_supported(model: nn.Module) -> None:
     """Raise :class:`UnsupportedLayerError` for modules one-backward clipping cannot handle: trainable modules that
     are not DP layers, batch-statistics layers in training mode (they mix examples, trainable or not), and a
-    parameter shared by two DP layers (tied weights: its per-example gradient sums both uses)."""
-    bad = _unsupported(model)
-    if not bad:
-        _check_mixing_and_sharing(model)
-        return
-    lines = []
-    for name, module in bad:
-        kind = type(module).__name__
-        hint = next((text for key, text in _ALTERNATIVES.items() if key in kind), None)
-        lines.append(f"  {name or '<model>'} ({kind})" + (f": use {hint}" if hint else ""))
-    supported = ", ".join(sorted(t.__name__ for t in DP_LAYERS))
-    raise UnsupportedLayerError(
-        "these modules have trainable parameters that DP-SGD's one-backward clipping cannot handle:\n"
-        + "\n".join(lines)
-        + f"\nSupported layers: {supported} (torch modules are converted by fastdp.nn.convert). Freeze the others "
-        "(requires_grad=False), replace them, or use DPSGD(mode='reference') for arbitrary modules."
-    )
+    parameter shared by two DP layers (tied weights: its per-example gradient sums both uses).
 
-
-def _check_mixing_and_sharing(model: nn.Module) -> None:
-    mixing = [f"{n or '<model>'} ({type(m).__name__})" for n, m in model.named_modules()
-              if isinstance(m, _MIXING) and m.training]  # fmt: skip
+    One walk over the modules (DP-SGD calls it every step: train/eval mode and ``requires_grad`` can change)."""
+    bad, mixing = [], []
+    owners: dict[int, str] = {}
+    for name, module in model.named_modules():
+        trainable = own_trainable(module)
+        if not isinstance(module, DPLayer):
+            if trainable:
+                bad.append((name, module))
+            if isinstance(module, _MIXING) and module.training:
+                mixing.append(f"{name or '<model>'} ({type(module).__name__})")
+            continue
+        for p in trainable:
+            if id(p) in owners:
+                raise UnsupportedLayerError(
+                    f"a parameter is shared by {owners[id(p)]} and {name} (tied weights); one-backward clipping "
+                    "needs each parameter in one layer: use DPSGD(mode='reference')"
+                )
+            owners[id(p)] = name or "<model>"
+    if bad:
+        lines = []
+        for name, module in bad:
+            kind = type(module).__name__
+            hint = next((text for key, text in _ALTERNATIVES.items() if key in kind), None)
+            lines.append(f"  {name or '<model>'} ({kind})" + (f": use {hint}" if hint else ""))
+        supported = ", ".join(sorted(t.__name__ for t in DP_LAYERS))
+        raise UnsupportedLayerError(
+            "these modules have trainable parameters that DP-SGD's one-backward clipping cannot handle:\n"
+            + "\n".join(lines)
+            + f"\nSupported layers: {supported} (torch modules are converted by fastdp.nn.convert). Freeze the "
+            "others (requires_grad=False), replace them, or use DPSGD(mode='reference') for arbitrary modules."
+        )
     if mixing:
         raise UnsupportedLayerError(
             "these layers use batch statistics in training mode, so one example changes every example's gradient: "
             + ", ".join(mixing)
             + ". Use GroupNorm or LayerNorm, or put them in eval mode with public statistics."
         )
-    owners: dict[int, str] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, DPLayer):
-            for p in module.dp_parameters():
-                if id(p) in owners:
-                    raise UnsupportedLayerError(
-                        f"a parameter is shared by {owners[id(p)]} and {name} (tied weights); one-backward clipping "
-                        "needs each parameter in one layer: use DPSGD(mode='reference')"
-                    )
-                owners[id(p)] = name or "<model>"
 
 
 def convert(model: nn.Module) -> nn.Module:

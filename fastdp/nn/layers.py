@@ -68,11 +68,19 @@ def _weighted(factors: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
     return (factors.to(acc) @ flat).reshape(per_example.shape[1:])  # one GEMV
 
 
+def own_trainable(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s own trainable parameters in ``parameters(recurse=False)`` order, read from its parameter dict
+    (called for every layer in every step: the generator machinery of ``parameters()`` costs more than the step's
+    small kernels)."""
+    params = [p for p in module._parameters.values() if p is not None and p.requires_grad]
+    return params if len({id(p) for p in params}) == len(params) else list(dict.fromkeys(params))
+
+
 class DPLayer:
     """Mixin for DP layers: trainable parameters in ``named_parameters(recurse=False)`` order."""
 
     def dp_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters(recurse=False) if p.requires_grad]
+        return own_trainable(self)
 
     def _detached(self, name: str):
         p = getattr(self, name)
@@ -193,16 +201,14 @@ class _ConvNd(DPLayer):
         return weight_grad(x, weight_shape, grad_out, self.stride, self._padding(), self.dilation, groups)
 
     def _per_example_weight(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        """[B, *weight.shape] per-example weight gradients: one convolution backward with the batch folded
-        into the groups (no im2col)."""
-        b = x.shape[0]
-        folded = self._weight_grad(
-            x.reshape(1, b * x.shape[1], *x.shape[2:]),
-            grad_out.reshape(1, b * grad_out.shape[1], *grad_out.shape[2:]),
-            (b * self.weight.shape[0], *self.weight.shape[1:]),
-            b * self.groups,
-        )
-        return folded.reshape(b, *self.weight.shape)
+        """[B, *weight.shape] per-example weight gradients: per example and group, G_i [C_out/g, L] times the input
+        patches [L, k * C_in/g], one batched GEMM (on CPU 2-9x faster than a convolution backward with the batch
+        folded into the groups), then the patch features reordered from (k, c) to the weight's (c, k)."""
+        b, cg = x.shape[0], self.weight.shape[1]
+        a = self._patches(x)
+        per_example = torch.bmm(grad_out.reshape(a.shape[0], -1, a.shape[1]), a)  # [B * groups, C_out/g, k * cg]
+        per_example = per_example.reshape(b, self.out_channels, -1, cg).transpose(2, 3)
+        return per_example.reshape(b, *self.weight.shape)
 
     def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (x,) = saved

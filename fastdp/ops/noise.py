@@ -212,8 +212,11 @@ def add_noise_(
     """
     grads = _as_list(grads, "grads")
     stds = _as_stds(stds, len(grads))
-    _check(grads, [], stds)  # here too: a meta tensor in the list would dispatch past the kernel's check
     seed, offset, num_draws = _seed_offset(seed, offset, secure)
+    if _backend.eager(grads):
+        _apply(grads, [], stds, seed, offset, num_draws, 0.0)
+        return
+    _check(grads, [], stds)  # here too: a meta tensor in the list would dispatch past the kernel's check
     with torch.no_grad():
         torch.ops.fastdp.add_noise_(grads, stds, seed, offset, num_draws)
 
@@ -239,7 +242,10 @@ def noisy_sgd_step_(
     if not (math.isfinite(lr) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"fastdp noise: lr must be finite and scale finite and > 0, got lr={lr}, scale={scale}")
     stds = _as_stds(stds, len(grads))
-    _check(grads, params, stds)
     seed, offset, num_draws = _seed_offset(seed, offset, secure)
+    if _backend.eager(params + grads):
+        _apply(grads, params, stds, seed, offset, num_draws, lr / scale)
+        return
+    _check(grads, params, stds)
     with torch.no_grad():
         torch.ops.fastdp.noisy_sgd_step_(params, grads, stds, lr / scale, seed, offset, num_draws)

@@ -97,8 +97,7 @@ def _clip_kernel(backend: str):
     return ref.clip_factors
 
 
-@torch.library.custom_op("fastdp::ghost_norm_sq", mutates_args=())
-def _ghost_norm_sq_op(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def _ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     _check_ghost(a, g)
     backend = _backend.select("norms", a.device.type)
     if a.dtype not in _KERNEL_DTYPES or (a.device.type == "cpu" and a.shape[1] <= CPU_GEMM_MAX_SEQ):
@@ -108,19 +107,24 @@ def _ghost_norm_sq_op(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return run(a.contiguous(), g.contiguous())
 
 
+_ghost_norm_sq_op = torch.library.custom_op("fastdp::ghost_norm_sq", _ghost_norm_sq, mutates_args=())
+
+
 @_ghost_norm_sq_op.register_fake
 def _(a, g):
     _check_ghost(a, g)
     return a.new_empty(a.shape[0], dtype=ref.accumulation_dtype(a.dtype))
 
 
-@torch.library.custom_op("fastdp::clip_factors", mutates_args=())
-def _clip_factors_op(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _clip_factors(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     _check_clip(sq_norms, clip_norm)
     backend = _backend.select("norms", sq_norms.device.type)
     run = _clip_kernel(backend if sq_norms.dtype == torch.float32 else "torch")  # float64: the reference
     with torch.no_grad():
-        return run(sq_norms.contiguous(), clip_norm)
+        return run(sq_norms.contiguous(), float(clip_norm))
+
+
+_clip_factors_op = torch.library.custom_op("fastdp::clip_factors", _clip_factors, mutates_args=())
 
 
 @_clip_factors_op.register_fake
@@ -144,6 +148,8 @@ def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         [B] squared norms, float32 (float64 for float64 inputs), with fp32 accumulation.
         Inputs are detached: the result never requires grad.
     """
+    if _backend.eager((a, g)):
+        return _ghost_norm_sq(a.detach(), g.detach())
     _check_ghost(a, g)
     return torch.ops.fastdp.ghost_norm_sq(a.detach(), g.detach())
 
@@ -161,5 +167,7 @@ def clip_factors(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor
         ``norms[i] = sqrt(sum_l sq_norms[l, i])`` and ``factors[i] = min(1, C / (norms[i] + 1e-6))``.
         A NaN anywhere in column i makes ``norms[i]`` and ``factors[i]`` NaN (never a silent 1).
     """
+    if _backend.eager((sq_norms,)):
+        return _clip_factors(sq_norms.detach(), clip_norm)
     _check_clip(sq_norms, clip_norm)
     return torch.ops.fastdp.clip_factors(sq_norms.detach(), float(clip_norm))
