@@ -64,18 +64,19 @@ class BackpropClip(Variant):
         return cls(config.input_clip, config.clip_norm, noise_multiplier, sample_rate, num_examples, seed=noise_seed,
                    secure=config.secure)  # fmt: skip
 
-    def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
+    def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         if id(model) not in self._prepared:
             convert_backprop(model, self.input_clip, self.grad_clip)
             self._prepared.add(id(model))
+        return summed_loss_gradients(model, self.loss_fn, batch)
+
+    def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)
-        sums, loss = summed_loss_gradients(model, self.loss_fn, batch)
         sensitivities = parameter_sensitivities(model)
         self.tensors = len(params)
         scale = self.noise_multiplier * math.sqrt(len(params))
         stds = [scale * sensitivities[p] for p in params]  # on the sum; divided by q N once, below
         release_noisy_mean(params, sums, stds, self.expected_batch_size, self.seed, step, self.secure)
-        return loss
 
     def privacy_event(self) -> tuple[float, float]:
         return self.noise_multiplier, self.sample_rate

@@ -4,12 +4,18 @@ A variant turns a batch into this step's gradient (written to ``p.grad``) whose
 sensitivity it knows, and names the accounting event that release was. The trainer
 knows no variant by name: it calls :meth:`Variant.gradient`, steps the optimizer and
 records :meth:`Variant.privacy_event` with the accountant.
+
+A step has two phases: :meth:`Variant.clipped_sum` (each example's bounded contribution, summed; no noise) and
+:meth:`Variant.release` (noise once, the mean, ``p.grad``). A logical batch too large for memory is processed as
+micro-batches (virtual batches): their sums are added and released once, one accounting event, the same update
+as the unsplit batch.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -59,12 +65,35 @@ class Variant(abc.ABC):
         return math.inf
 
     @abc.abstractmethod
-    def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
+    def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(sum over the real examples of ``batch`` of each one's bounded gradient contribution, per trainable
+        parameter in ``sum_dtype``; their summed loss, a detached scalar). No noise. Called once per micro-batch of
+        a logical batch, all with the logical step's index ``step`` (e.g. JL tangents are keyed by it)."""
+
+    @abc.abstractmethod
+    def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
+        """Noise, once per logical step (keyed by ``step``), on the logical batch's ``sums``; set every trainable
+        parameter's ``p.grad`` to the released mean. ``sums`` may be modified in place."""
+
+    def gradient(self, model: torch.nn.Module, batch: Batch | Sequence[Batch], step: int) -> torch.Tensor:
         """Set ``p.grad`` of every trainable parameter to this step's gradient.
 
-        ``step`` is the global step index (keys the noise). Returns the summed loss of
-        the real examples (a detached scalar tensor; no host synchronisation).
-        """
+        ``batch`` is the logical batch, or its micro-batches (virtual batches: sums added, one release). ``step`` is
+        the global step index (keys the noise). Returns the summed loss of the real examples (a detached scalar
+        tensor; no host synchronisation)."""
+        batches = [batch] if isinstance(batch, Batch) else list(batch)
+        if not batches:
+            raise ValueError(
+                "a logical batch needs at least one (possibly empty) micro-batch: the noise is released "
+                "every step, also for an empty Poisson sample"
+            )
+        sums, loss = self.clipped_sum(model, batches[0], step)
+        for micro in batches[1:]:
+            more, more_loss = self.clipped_sum(model, micro, step)
+            torch._foreach_add_(sums, more)
+            loss = loss + more_loss
+        self.release(model, sums, step)
+        return loss
 
     def after_step(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook, nothing by default
         """Called after the optimizer step (e.g. a projection onto the constraint set: post-processing)."""

@@ -90,15 +90,17 @@ class Clipless(Variant):
             return (self.noise_multiplier * self.last_bounds.square().sum().sqrt()).expand(len(params))
         return self.noise_multiplier * math.sqrt(len(params)) * self.last_bounds
 
-    def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
-        params = trainable_parameters(model)
-        with deferred_finite_checks():  # no host sync in the step; the trainer checks the weights every epoch
-            stds = self.noise_stds(model)
+    def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         if self.input_bound is not None:  # enforce X_0 on the inputs (a per-example projection)
             batch = Batch(clip_rows(batch.x, self.input_bound), batch.y, batch.mask)
-        sums, loss = summed_loss_gradients(model, self.loss_fn, batch)
-        release_noisy_mean(params, sums, stds, self.expected_batch_size, self.seed, step, self.secure)
-        return loss
+        return summed_loss_gradients(model, self.loss_fn, batch)
+
+    def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
+        # the bounds are those of the weights the sums were computed with (the step has not changed them yet)
+        with deferred_finite_checks():  # no host sync in the step; the trainer checks the weights every epoch
+            stds = self.noise_stds(model)
+        release_noisy_mean(trainable_parameters(model), sums, stds, self.expected_batch_size, self.seed, step,
+                           self.secure)  # fmt: skip
 
     def after_step(self, model: torch.nn.Module) -> None:
         with deferred_finite_checks():

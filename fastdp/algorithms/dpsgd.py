@@ -210,17 +210,17 @@ class DPSGD(Variant):
                   for p in layer.dp_parameters()}  # fmt: skip
         return [std_of[id(p)] for p in params]
 
-    def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
+    def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        # 1/(qN) rides on the clip factors and the noise std is scaled to match (release): the same release as
+        # noise on the sum divided by qN, without a division pass over the gradients
         self._prepare(model)
         clipped_sum = ghost_clipped_gradient_sum if self.mode == "ghost" else clipped_gradient_sum
-        # sum_i c_i g_i / (qN) from the clip factors, noise std sigma C / (qN): the same release as noise on the sum
-        # divided by qN, without a division pass over the gradients
-        scale = 1.0 / self.expected_batch_size
-        sums, loss = clipped_sum(model, self.loss_fn, batch, self.clip_norm, scale=scale)
+        return clipped_sum(model, self.loss_fn, batch, self.clip_norm, scale=1.0 / self.expected_batch_size)
+
+    def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)
-        stds = [std * scale for std in self._noise_stds(model, params)]
+        stds = [std / self.expected_batch_size for std in self._noise_stds(model, params)]
         release_noisy_mean(params, sums, stds, 1.0, self.seed, step, self.secure)
-        return loss
 
     def privacy_event(self) -> tuple[float, float]:
         if isinstance(self.clip_norm, float):

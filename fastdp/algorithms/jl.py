@@ -189,16 +189,16 @@ class JL(Variant):
         weights = (self.clip_norm / (norm_estimates(p) + NORM_EPS)).clamp(max=1.0)
         return weights * batch.mask.to(weights.dtype)
 
-    def gradient(self, model: nn.Module, batch: Batch, step: int) -> torch.Tensor:
-        params = trainable_parameters(model)
+    def clipped_sum(self, model: nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         if batch.x.shape[0] == 0:
-            sums = [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params]
-            loss = torch.zeros((), device=batch.x.device)
-        else:
-            sums, loss = reweighted_gradient_sum(model, self.loss_fn, batch, self.clip_weights(model, batch, step))
+            params = trainable_parameters(model)
+            return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
+        return reweighted_gradient_sum(model, self.loss_fn, batch, self.clip_weights(model, batch, step))
+
+    def release(self, model: nn.Module, sums: list[torch.Tensor], step: int) -> None:
+        params = trainable_parameters(model)
         stds = [self.noise_multiplier * self.clip_norm] * len(params)
         release_noisy_mean(params, sums, stds, self.expected_batch_size, self.seed, step, self.secure)
-        return loss
 
     def privacy_event(self) -> tuple[float, float]:
         return self.noise_multiplier, self.sample_rate

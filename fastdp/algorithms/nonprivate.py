@@ -4,24 +4,33 @@ from __future__ import annotations
 
 import torch
 
-from fastdp.algorithms.base import Batch, Variant, trainable_parameters
+from fastdp.algorithms.base import (
+    Batch,
+    Variant,
+    per_example_cross_entropy,
+    summed_loss_gradients,
+    trainable_parameters,
+)
 
 
 class NonPrivate(Variant):
     name = "nonprivate"
     private = False
 
+    def __init__(self, loss_fn=per_example_cross_entropy) -> None:
+        super().__init__(loss_fn)
+        self._examples: torch.Tensor | int = 0  # real examples of the logical batch so far (its mean's divisor)
+
     @classmethod
     def from_config(cls, config, **_) -> NonPrivate:
         return cls()
 
-    def gradient(self, model: torch.nn.Module, batch: Batch, step: int) -> torch.Tensor:
-        for p in trainable_parameters(model):
-            p.grad = None
-        losses = self.loss_fn(model(batch.x), batch.y) * batch.mask
-        count = batch.mask.sum().clamp(min=1)
-        (losses.sum() / count).backward()
-        for p in trainable_parameters(model):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return losses.detach().sum()
+    def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        self._examples = self._examples + batch.mask.sum()
+        return summed_loss_gradients(model, self.loss_fn, batch)
+
+    def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
+        count = torch.as_tensor(self._examples).clamp(min=1)
+        self._examples = 0
+        for p, total in zip(trainable_parameters(model), sums, strict=True):
+            p.grad = (total / count.to(total.device)).to(p.dtype)

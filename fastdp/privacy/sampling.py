@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-__all__ = ["PoissonSampler", "ShuffleSampler", "pad_batch", "physical_batch_size"]
+__all__ = ["PoissonSampler", "ShuffleSampler", "micro_batches", "pad_batch", "physical_batch_size"]
 
 
 def _check_count(num_examples: int) -> None:
@@ -156,3 +156,16 @@ def pad_batch(indices: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch
     mask = torch.zeros(size, dtype=torch.bool)
     mask[: indices.numel()] = True
     return padded, mask
+
+
+def micro_batches(indices: torch.Tensor, mask: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split a logical batch (``indices`` and ``mask`` of its real rows) into micro-batches of exactly ``size`` rows,
+    the last padded as by :func:`pad_batch`: fixed shapes, so peak memory does not grow with the logical batch.
+    An empty logical batch gives one all-padding micro-batch (the step still releases its noise)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"micro-batch size must be an integer >= 1, got {size!r}")
+    if mask.shape != indices.shape:
+        raise ValueError(f"indices {tuple(indices.shape)} and mask {tuple(mask.shape)} must have one shape")
+    padded, real = pad_batch(indices, size)
+    real[: mask.numel()] &= mask.to(torch.bool)
+    return list(zip(padded.split(size), real.split(size), strict=True))

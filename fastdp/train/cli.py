@@ -85,6 +85,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "assumes Poisson sampling and is NOT a proven guarantee")  # fmt: skip
     g.add_argument("--pad", action="store_true",
                    help="pad Poisson batches to a fixed physical size (masked rows count for nothing)")  # fmt: skip
+    g.add_argument("--micro-batch", type=int, default=None,
+                   help="virtual batches: run each logical batch as micro-batches of this many rows (padded), summed "
+                        "and released once; peak memory follows this size, not --batch-size")  # fmt: skip
     g.add_argument("--secure", action="store_true",
                    help="draw noise and batches from the OS entropy source (floating-point-attack-resistant "
                         "noise); runs cannot be replayed")  # fmt: skip

@@ -23,7 +23,13 @@ import torch
 from fastdp.algorithms import VARIANTS, Batch, Variant
 from fastdp.privacy.accounting import MECHANISMS, PrivacyAccountant, get_noise_multiplier
 from fastdp.privacy.rng import os_entropy_seed
-from fastdp.privacy.sampling import PoissonSampler, ShuffleSampler, pad_batch, physical_batch_size
+from fastdp.privacy.sampling import (
+    PoissonSampler,
+    ShuffleSampler,
+    micro_batches,
+    pad_batch,
+    physical_batch_size,
+)
 from fastdp.train.data import Dataset, load_dataset
 from fastdp.train.models import build_model
 
@@ -58,6 +64,7 @@ class TrainConfig:
     accountant: str = "rdp"
     shuffle: bool = False
     pad: bool = False
+    micro_batch: int | None = None  # virtual batches: each logical batch runs as micro-batches of this many rows
     secure: bool = False
     seed: int = 0
     device: str = "cpu"
@@ -95,6 +102,11 @@ class TrainConfig:
             )
         if isinstance(self.projections, bool) or not isinstance(self.projections, int) or self.projections < 1:
             raise ValueError(f"projections (JL dimension r) must be an integer >= 1, got {self.projections!r}")
+        if self.micro_batch is not None and (
+            isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1
+        ):
+            raise ValueError(f"micro-batch size must be an integer >= 1 (or None: no virtual batches), got "
+                             f"{self.micro_batch!r}")  # fmt: skip
         if self.resume and not self.checkpoint:
             raise ValueError("--resume needs --checkpoint PATH")
 
@@ -187,11 +199,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ steps
 
-    def _batch(self, indices: torch.Tensor) -> Batch:
+    def _batch(self, indices: torch.Tensor) -> Batch | list[Batch]:
+        """The logical batch of ``indices``: one Batch, or its micro-batches (``micro_batch``: virtual batches, each
+        of exactly that many rows, so peak memory does not depend on the logical batch size)."""
         if self.physical is not None:
             indices, mask = pad_batch(indices, self.physical)
         else:
             mask = torch.ones(indices.numel(), dtype=torch.bool)
+        if self.config.micro_batch is None:
+            return self._rows(indices, mask)
+        return [self._rows(i, m) for i, m in micro_batches(indices, mask, self.config.micro_batch)]
+
+    def _rows(self, indices: torch.Tensor, mask: torch.Tensor) -> Batch:
         x = self.data.x_train[indices].to(self.device)
         y = self.data.y_train[indices].to(self.device)
         return Batch(x, y, mask.to(self.device))
