@@ -33,11 +33,14 @@ lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 # compare.py: one process per library (torch, Opacus, fastdp variants, tf-privacy if `make bench-tf` was run);
-# `$(BIN)/python bench/compare.py --full` for the long run.
+# `$(BIN)/python bench/compare.py --full` for the long run; then the virtual-batch sweep (memory and throughput
+# against the logical batch, micro-batches of 256).
 bench: install
 	cd bench && for b in bench_dpsgd bench_jl bench_clipless bench_noise bench_norms bench_clip bench_lipschitz; do \
 		../$(BIN)/python $$b.py || exit 1; done
 	$(BIN)/python bench/compare.py --tf-python $(TF_VENV)/bin/python
+	$(BIN)/python bench/compare.py --micro-batch 256 --max-batch 8192 --workloads mlp-256 cnn-256 \
+		--providers nonprivate opacus-hooks opacus-ghost fastdp-dpsgd
 
 # tf-privacy's own venv (TensorFlow 2.14.1 and numpy 1.26, which fastdp's venv cannot hold), read by compare.py.
 # Needs Python 3.11 and PyPI (about 600 MB of wheels).

@@ -65,14 +65,16 @@ def workloads() -> dict:
     }
 
 
-def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    """A closure running one full training step of ``provider`` on (x, y)."""
+def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batch: int | None = None):
+    """A closure running one full training step of ``provider`` on (x, y); with ``micro_batch``, (x, y) is a logical
+    batch processed as micro-batches of that many rows (Opacus: its skip-step protocol, as BatchMemoryManager)."""
     b = x.shape[0]
+    pieces = harness.chunks(x, y, micro_batch)
     if provider == "nonprivate":
-        return harness.nonprivate_step(model, x, y, LR)
+        return harness.nonprivate_step(model, x, y, LR, micro_batch)
     if provider == "fastdp":
         variant = DPSGD(CLIP, SIGMA, sample_rate=b / 60_000, num_examples=60_000, seed=0)
-        return harness.variant_step(variant, model, x, y, LR)
+        return harness.variant_step(variant, model, x, y, LR, micro_batch)
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
@@ -83,9 +85,11 @@ def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor)
         criterion = nn.CrossEntropyLoss()
 
         def step():
-            optimizer.zero_grad(set_to_none=True)
-            criterion(module(x), y).backward()
-            optimizer.step()
+            for i, (xc, yc) in enumerate(pieces):  # zero_grad after a skipped step keeps the accumulated sum
+                optimizer.zero_grad(set_to_none=True)
+                optimizer.signal_skip_step(do_skip=i + 1 < len(pieces))
+                criterion(module(xc), yc).backward()
+                optimizer.step()
 
         return step
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
@@ -98,9 +102,11 @@ def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor)
     criterion = DPLossFastGradientClipping(module, optimizer, nn.CrossEntropyLoss(), "mean")
 
     def step():
-        optimizer.zero_grad(set_to_none=True)
-        criterion(module(x), y).backward()
-        optimizer.step()
+        for i, (xc, yc) in enumerate(pieces):  # zero_grad after a skipped step keeps the accumulated sum
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.signal_skip_step(do_skip=i + 1 < len(pieces))
+            criterion(module(xc), yc).backward()
+            optimizer.step()
 
     return step
 

@@ -39,6 +39,13 @@ matplotlib is importable, otherwise their data to <device>-compare-plot.csv.
     python bench/compare.py                 # default settings: about 10 minutes on 2 CPU cores
     python bench/compare.py --full          # batches up to 50,000 (OOM on GPU), larger CPU caps, more repeats
     python bench/compare.py --workloads mlp-256 lipcnn-130k --providers nonprivate fastdp-dpsgd --out /tmp/c.csv
+    python bench/compare.py --micro-batch 256 --max-batch 16384   # virtual batches (below)
+
+Virtual batches (``--micro-batch M``): every workload grows its *logical* batch from --start-batch (default M) to
+--max-batch, each step processing it as micro-batches of M rows — non-private torch by gradient accumulation, fastdp
+by summed clipped sums and one noise release, Opacus by its skip-step protocol (what BatchMemoryManager drives) —
+so peak memory should stay flat while the time grows with the batch; rows carry ``micro_batch`` and
+``examples_per_s``, and go to <device>-compare-virtual.csv (tf-privacy: n/a, compare_tf.py has no virtual batches).
 """
 
 from __future__ import annotations
@@ -86,7 +93,7 @@ PER_EXAMPLE = ("opacus-hooks", "tf-privacy")  # providers that hold B per-exampl
 COLUMNS = [
     "workload", "params", "provider", "library", "library_version", "batch", "status", "median_ms", "p20_ms",
     "p80_ms", "time_vs_nonprivate", "peak_mem_mb", "mem_kind", "mem_vs_nonprivate", "largest_batch", "stopped_by",
-    "repeats", "note", "device", "threads", "torch", "python", "date",
+    "repeats", "micro_batch", "examples_per_s", "note", "device", "threads", "torch", "python", "date",
 ]  # fmt: skip
 
 
@@ -177,6 +184,11 @@ def not_applicable(provider: str, workload: str) -> str | None:
     return None
 
 
+def virtual_not_applicable(provider: str) -> str | None:
+    """Why ``provider`` has no virtual-batch run (None if it has one)."""
+    return "compare_tf.py has no virtual batches" if provider == "tf-privacy" else None
+
+
 # ------------------------------------------------------------------------------------------------ worker side
 
 
@@ -232,9 +244,10 @@ def build_step(job: dict, batch: int):
     torch.manual_seed(0)
     model = factory().to(device)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    micro = job.get("micro_batch")
     if provider in ("nonprivate", "opacus-hooks", "opacus-ghost", "fastdp-dpsgd"):
         name = "fastdp" if provider == "fastdp-dpsgd" else provider
-        return bench_dpsgd.make_step(name, model, x, y), params
+        return bench_dpsgd.make_step(name, model, x, y, micro), params
     q, clip, sigma = batch / n, bench_dpsgd.CLIP, bench_dpsgd.SIGMA
     variant = {
         "fastdp-jl": lambda: JL(clip, sigma, q, n, projections=job["jl_projections"], seed=0),
@@ -242,7 +255,7 @@ def build_step(job: dict, batch: int):
         "fastdp-clipless": lambda: Clipless(sigma, q, n, seed=0),
         "fastdp-weightclip": lambda: WeightClip(sigma, q, n, seed=0),
     }[provider]()
-    return harness.variant_step(variant, model, x, y, bench_dpsgd.LR), params
+    return harness.variant_step(variant, model, x, y, bench_dpsgd.LR, micro), params
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -539,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="CPU: kill a worker whose resident set exceeds this (8192; --full 16384; 0: none)",
     )
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="virtual batches: grow every workload's logical batch, processed as micro-batches of "
+                             "this many rows (CSV <device>-compare-virtual.csv)")  # fmt: skip
     parser.add_argument("--jl-projections", type=int, default=5, help="r of fastdp-jl")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default: the library's)")
     parser.add_argument("--job-timeout-s", type=float, default=None, help="kill a job after this long (1200 s)")
@@ -552,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))
+    if args.micro_batch is not None and args.micro_batch < 1:
+        parser.error(f"--micro-batch must be >= 1, got {args.micro_batch}")
 
     import harness
     import torch
@@ -584,21 +602,28 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows: list[dict] = []
     for index, workload in enumerate(workloads):
-        growth = workload in LIP_SIZES
-        if growth:
-            batches = growth_batches(conf["start_batch"], conf["max_batch"])
+        growth = workload in LIP_SIZES or args.micro_batch is not None
+        if workload in LIP_SIZES:
             params = vgg5_params(*LIP_SIZES[workload])
         else:
             factory, _, default_batch = fixed_workloads()[workload]
-            batches = [args.batch or default_batch]
             params = sum(p.numel() for p in factory().parameters() if p.requires_grad)
+        if args.micro_batch is not None:  # logical batches from the micro-batch up
+            batches = growth_batches(args.start_batch or args.micro_batch, conf["max_batch"])
+        elif growth:
+            batches = growth_batches(conf["start_batch"], conf["max_batch"])
+        else:
+            batches = [args.batch or default_batch]
         order = providers[index % len(providers) :] + providers[: index % len(providers)]
         for provider in order:
             base = dict(info, workload=workload, provider=provider, library=PROVIDERS[provider], params=params,
                         batch=batches[0], growth=growth)  # fmt: skip
             status, reason = ("skipped", unavailable[provider]) if provider in unavailable else ("n/a", None)
             reason = reason or not_applicable(provider, workload)
-            need_mb = batches[0] * params * 4 / 2**20  # B per-example gradients of every parameter, float32
+            if args.micro_batch is not None:
+                reason = reason or virtual_not_applicable(provider)
+                base["micro_batch"] = args.micro_batch
+            need_mb = (args.micro_batch or batches[0]) * params * 4 / 2**20  # per-example gradients, float32
             if (
                 not reason
                 and provider in PER_EXAMPLE
@@ -613,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             job = dict(provider=provider, workload=workload, batches=batches, device=str(device), growth=growth,
                        repeats=conf["growth_repeats" if growth else "repeats"], warmup=conf["warmup"],
-                       jl_projections=args.jl_projections, threads=args.threads,
+                       jl_projections=args.jl_projections, threads=args.threads, micro_batch=args.micro_batch,
                        max_step_ms=conf["max_step_s"] * 1e3 if growth else 0,
                        memory_budget_mb=conf["memory_budget_mb"] if growth and device.type == "cpu" else 0)  # fmt: skip
             if provider == "tf-privacy":
@@ -626,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
                 r.update(info, library=PROVIDERS[provider], growth=growth, repeats=job["repeats"])
                 r.setdefault("params", params)
                 r.setdefault("stopped_by", "")
+                r["micro_batch"] = args.micro_batch or ""
+                if r.get("median_ms"):
+                    r["examples_per_s"] = r["batch"] / r["median_ms"] * 1e3
                 rows.append(r)
                 print(line(r), flush=True)
             if error:
@@ -640,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
         r.setdefault("peak_mem_mb", float("nan"))
     add_ratios(rows)
     summary(rows)
-    out = args.out or harness.RESULTS / f"{info['device'].replace(' ', '_')}-compare.csv"
+    suffix = "-compare-virtual.csv" if args.micro_batch is not None else "-compare.csv"
+    out = args.out or harness.RESULTS / f"{info['device'].replace(' ', '_')}{suffix}"
     write_csv(rows, out)
     plot(rows, out.with_suffix(""))
     print(f"compare.py took {(time.perf_counter() - start) / 60:.1f} min")

@@ -75,29 +75,44 @@ def compare(builders: dict, device: torch.device, repeats: int, warmup: int = 2)
     return results
 
 
-def nonprivate_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float):
-    """A closure running one non-private SGD step (mean cross-entropy) of ``model`` on (x, y)."""
+def chunks(x: torch.Tensor, y: torch.Tensor, micro_batch: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) as micro-batches of ``micro_batch`` rows (the last one shorter), or whole if None."""
+    if micro_batch is None or micro_batch >= x.shape[0]:
+        return [(x, y)]
+    return list(zip(x.split(micro_batch), y.split(micro_batch), strict=True))
+
+
+def nonprivate_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
+                    micro_batch: int | None = None):  # fmt: skip
+    """A closure running one non-private SGD step (mean cross-entropy) of ``model`` on (x, y); with ``micro_batch``,
+    gradients accumulated over micro-batches of that many rows (the same mean)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    pieces = chunks(x, y, micro_batch)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        for xc, yc in pieces:
+            loss = torch.nn.functional.cross_entropy(model(xc), yc, reduction="sum" if len(pieces) > 1 else "mean")
+            (loss / x.shape[0] if len(pieces) > 1 else loss).backward()
         optimizer.step()
 
     return step
 
 
-def variant_step(variant, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float):
+def variant_step(variant, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
+                 micro_batch: int | None = None):  # fmt: skip
     """A closure running one private step of a fastdp variant on (x, y): gradient (clipping or bounds, noise keyed
-    by a fresh step index), SGD update, then the variant's post-step hook (e.g. the Lipschitz projection)."""
+    by a fresh step index), SGD update, then the variant's post-step hook (e.g. the Lipschitz projection). With
+    ``micro_batch``, the batch is a logical batch processed as micro-batches (virtual batches, one release)."""
     from fastdp.algorithms import Batch
 
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    batch = Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
+    batches = [Batch(xc, yc, torch.ones(xc.shape[0], dtype=torch.bool, device=x.device))
+               for xc, yc in chunks(x, y, micro_batch)]  # fmt: skip
     counter = iter(range(1 << 62))
 
     def step():
-        variant.gradient(model, batch, next(counter))
+        variant.gradient(model, batches, next(counter))
         optimizer.step()
         variant.after_step(model)
 

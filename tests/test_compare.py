@@ -66,6 +66,24 @@ def test_two_providers_in_subprocesses_write_the_csv(compare, monkeypatch, tmp_p
     assert float(dp["time_vs_nonprivate"]) == pytest.approx(float(dp["median_ms"]) / float(base["median_ms"]), rel=2e-3)
 
 
+def test_virtual_batches_grow_the_logical_batch(compare, tmp_path):
+    """--micro-batch: logical batches from the micro-batch up, each step in micro-batches; rows say so."""
+    out = tmp_path / "cpu-virtual.csv"
+    argv = ["--device", "cpu", "--workloads", "mlp-256", "--providers", "nonprivate", "fastdp-dpsgd", "tf-privacy",
+            "--micro-batch", "4", "--max-batch", "8", "--growth-repeats", "2", "--warmup", "1", "--out", str(out),
+            "--tf-python", str(tmp_path / "no-venv")]  # fmt: skip
+    assert compare.main(argv) == 0
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    ran = [(r["provider"], r["batch"], r["micro_batch"]) for r in rows if r["status"] == "ok"]
+    assert ran == [("nonprivate", "4", "4"), ("nonprivate", "8", "4"), ("fastdp-dpsgd", "4", "4"),
+                   ("fastdp-dpsgd", "8", "4")]  # fmt: skip
+    for r in rows:
+        if r["status"] == "ok":
+            assert float(r["examples_per_s"]) == pytest.approx(int(r["batch"]) / float(r["median_ms"]) * 1e3, rel=1e-2)
+    assert [r["status"] for r in rows if r["provider"] == "tf-privacy"] in (["n/a"], ["skipped"])
+
+
 def test_a_worker_over_the_memory_cap_is_killed(compare, tmp_path):
     script = tmp_path / "hog.py"
     script.write_text(
