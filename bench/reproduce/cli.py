@@ -59,8 +59,9 @@ def _commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True, timeout=10).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()  # fmt: skip
+        # the run's own output files (bench/results/) are rewritten while it runs: they do not make the code dirty
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
+                               cwd=ROOT, capture_output=True, text=True, check=True, timeout=10).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return "commit unknown"
     return f"commit {head}" + (" with uncommitted changes" if dirty else "")
