@@ -60,8 +60,8 @@ def _commit() -> str:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True, timeout=10).stdout.strip()  # fmt: skip
         # the run's own output files (bench/results/) are rewritten while it runs: they do not make the code dirty
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
-                               cwd=ROOT, capture_output=True, text=True, check=True, timeout=10).stdout.strip()  # fmt: skip
+        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"]
+        dirty = subprocess.run(status, cwd=ROOT, capture_output=True, text=True, check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "commit unknown"
     return f"commit {head}" + (" with uncommitted changes" if dirty else "")

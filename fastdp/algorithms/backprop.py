@@ -18,6 +18,7 @@ import math
 import torch
 
 from fastdp.algorithms.base import (
+    SUMMED_IN_LOW_PRECISION,
     Batch,
     Variant,
     per_example_cross_entropy,
@@ -34,6 +35,10 @@ class BackpropClip(Variant):
 
     name = "backprop"
     private = True
+    low_precision_refusal = (
+        "its bounds are enforced inside the network (inputs clipped to C1, upstream gradients to C2), and the weight "
+        "gradients are formed from them afterwards; " + SUMMED_IN_LOW_PRECISION
+    )
 
     def __init__(
         self,
@@ -64,11 +69,15 @@ class BackpropClip(Variant):
         return cls(config.input_clip, config.clip_norm, noise_multiplier, sample_rate, num_examples, seed=noise_seed,
                    secure=config.secure)  # fmt: skip
 
-    def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Convert the model's layers to backprop-clip layers once per model (in place)."""
         if id(model) not in self._prepared:
             convert_backprop(model, self.input_clip, self.grad_clip)
             self._prepared.add(id(model))
-        return summed_loss_gradients(model, self.loss_fn, batch)
+
+    def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        self.prepare(model)
+        return summed_loss_gradients(model, self.loss_fn, batch, self._forward)
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)

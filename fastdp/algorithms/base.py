@@ -9,6 +9,9 @@ A step has two phases: :meth:`Variant.clipped_sum` (each example's bounded contr
 :meth:`Variant.release` (noise once, the mean, ``p.grad``). A logical batch too large for memory is processed as
 micro-batches (virtual batches): their sums are added and released once, one accounting event, the same update
 as the unsplit batch.
+
+Mixed precision and compilation live here too: :meth:`Variant.set_precision` (bf16/fp16 autocast of the model's
+forward only, for the variants whose bound survives it) and :meth:`Variant.compile` (torch.compile of both phases).
 """
 
 from __future__ import annotations
@@ -24,6 +27,25 @@ import torch.nn.functional as F
 
 from fastdp.nn.layers import own_trainable
 from fastdp.ops import add_noise_
+
+# Training precisions: the autocast dtype of the model's forward (and thereby its backward); None is plain fp32.
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16: the summed loss is multiplied by this fixed power of two before the backward (fp16 gradients below 6e-8
+# underflow to zero), and the sums are unscaled in fp32. Fixed, not dynamic: a scale adapted to overflows seen in
+# past batches would be a function of the private data that no accountant counts (see ``Variant.set_precision``).
+DEFAULT_LOSS_SCALE = 2.0**10
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Backends Variant.compile takes; others (e.g. dynamo's "cudagraphs") would capture CUDA graphs the step's copy-out
+# and replay marking (Variant._clipped_sum_step) do not handle.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+# Why variants whose bound lives inside the network refuse AMP (their low_precision_refusal starts with their own
+# reason and ends with this).
+SUMMED_IN_LOW_PRECISION = (
+    "under autocast each weight gradient is one bf16/fp16 matmul over the whole batch, rounded to 8 (bf16) or 11 "
+    "(fp16) significant bits after the examples are summed, so one example can change the rounding of the sum by "
+    "up to 2^-8 (2^-11) of the batch's summed gradient: more than its bound once the batch exceeds 256 (2048) "
+    "examples"
+)
 
 
 @dataclass
@@ -44,14 +66,58 @@ def per_example_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits, y, reduction="none")
 
 
+def resolve_loss_scale(precision: str, loss_scale: float | None) -> float:
+    """The loss scale of a run in ``precision``: ``loss_scale`` checked (fp16: a power of two in [1, 2**24], default
+    ``DEFAULT_LOSS_SCALE``), 1 for fp32/bf16 (where giving one is an error)."""
+    if precision != "fp16":
+        if loss_scale is not None and loss_scale != 1.0:
+            raise ValueError(
+                f"a loss scale ({loss_scale}) is for fp16 only: bf16 has fp32's exponent range, so nothing underflows "
+                "there that scaling would save; drop the loss scale or use fp16"
+            )
+        return 1.0
+    scale = DEFAULT_LOSS_SCALE if loss_scale is None else float(loss_scale)
+    if not (math.isfinite(scale) and 1.0 <= scale <= 2.0**24 and math.frexp(scale)[0] == 0.5):
+        raise ValueError(
+            f"the fp16 loss scale must be a power of two in [1, 2**24] (unscaling is then exact in fp32), got "
+            f"{loss_scale}; the default is {DEFAULT_LOSS_SCALE:g}"
+        )
+    return scale
+
+
+def check_compile(mode: str | None, backend: str) -> None:
+    """Refuse a torch.compile mode or backend :meth:`Variant.compile` cannot use, saying what can be used."""
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"unknown torch.compile mode {mode!r}; choose one of {', '.join(COMPILE_MODES)}")
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(
+            f"unsupported torch.compile backend {backend!r}; choose one of {', '.join(COMPILE_BACKENDS)} (inductor "
+            "generates kernels, and CUDA graphs with mode reduce-overhead; aot_eager and eager only trace, quick to "
+            "check graphs with)"
+        )
+    if mode not in (None, "default") and backend != "inductor":
+        raise ValueError(f"torch.compile mode {mode!r} is inductor's: use backend 'inductor', not {backend!r}")
+
+
 class Variant(abc.ABC):
     """A training variant (DP-SGD, non-private, ...)."""
 
     name: ClassVar[str]
     private: ClassVar[bool]
+    # Why the variant's sensitivity bound does not survive bf16/fp16 arithmetic; None where it does (the argument
+    # is in the variant's module: fastdp.algorithms.dpsgd). A variant must make that argument to accept AMP.
+    low_precision_refusal: ClassVar[str | None] = (
+        "no argument that its sensitivity bound holds under low-precision rounding has been made for it"
+    )
+    # Tensor attributes that clipped_sum assigns (running counts): copied out of the CUDA-graph memory pool after
+    # a replay of a compiled clipped_sum (mode "reduce-overhead"), as its returned sums are.
+    _graph_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, loss_fn=per_example_cross_entropy) -> None:
         self.loss_fn = loss_fn
+        self.precision = "fp32"  # see set_precision
+        self.loss_scale = 1.0
+        self._compiled: tuple | None = None  # (clipped_sum, release, cudagraphs) after compile()
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> Variant:
@@ -64,6 +130,88 @@ class Variant(abc.ABC):
         each step is a Gaussian mechanism. The accountant needs it: with finite r the sensitivity is random."""
         return math.inf
 
+    @classmethod
+    def check_precision(cls, precision: str) -> None:
+        """Refuse an unknown precision, and bf16/fp16 for a variant whose bound low-precision rounding can break."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if precision != "fp32" and cls.low_precision_refusal is not None:
+            raise ValueError(
+                f"variant {cls.name!r} cannot train in {precision}: {cls.low_precision_refusal}. Train it in fp32 "
+                "(--precision fp32); bf16/fp16 autocast is available for dpsgd and nonprivate"
+            )
+
+    def set_precision(self, precision: str, loss_scale: float | None = None) -> None:
+        """Run the model's forward (and thereby its backward) under ``torch.autocast`` to ``precision`` ("fp32",
+        "bf16" or "fp16"); per-example norms, clip factors, sums and noise stay in fp32 (see :meth:`_forward`).
+
+        fp16 multiplies the summed loss by ``loss_scale`` (default ``DEFAULT_LOSS_SCALE``; a power of two, so
+        unscaling in fp32 is exact) before the backward. The scale is fixed: there is no skipped step. A step that
+        is skipped because its batch overflowed would reveal, without noise, that some example overflowed; each
+        variant that accepts fp16 instead keeps every example's contribution bounded (DP-SGD gives an example whose
+        gradient is not finite a zero contribution, a per-example operation like clipping)."""
+        self.check_precision(precision)
+        self.precision, self.loss_scale = precision, resolve_loss_scale(precision, loss_scale)
+
+    def _forward(self, model, x: torch.Tensor) -> torch.Tensor:
+        """``model(x)`` (any callable of the input) under autocast to this variant's precision, the output cast to
+        fp32. Every variant's model forward goes through here, so autocast covers exactly the forward and, through
+        the dtypes it chose, the backward of it; the loss and everything the variant does with the backward's
+        results (per-example norms, clip factors, clipped sums, noise) run outside autocast, where a matmul of fp32
+        tensors stays fp32 (under autocast it would silently run in bf16/fp16)."""
+        dtype = PRECISIONS[self.precision]
+        if dtype is None:
+            return model(x)
+        with torch.autocast(x.device.type, dtype=dtype):
+            out = model(x)
+        return out.float()
+
+    def compile(self, mode: str | None = None, backend: str = "inductor") -> None:
+        """Run this variant's steps through ``torch.compile``: :meth:`clipped_sum` (the forward, the backward and the
+        per-example work of one micro-batch) and :meth:`release` are compiled; graph breaks (the DP layers' gradient
+        hooks, ``torch.func`` transforms) leave Python between the graphs, so the compiled step gives the eager one.
+
+        ``mode`` is ``torch.compile``'s (None or "default", "reduce-overhead", "max-autotune",
+        "max-autotune-no-cudagraphs"; for ``backend="inductor"``). With CUDA graphs ("reduce-overhead",
+        "max-autotune") the clipped sums are captured and replayed; use fixed shapes (``--pad`` and
+        ``--micro-batch``), else every new batch size records a new graph. The release is compiled without CUDA
+        graphs, and noise (and JL's random tangents) are always drawn eagerly with the step's key
+        (:func:`draw_eagerly`): a replayed graph can never repeat an earlier step's noise. The step index is
+        specialised at the first step and dynamic from the second: the first two steps compile."""
+        check_compile(mode, backend)
+        cudagraphs = mode in ("reduce-overhead", "max-autotune")
+        release_mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(mode, mode)
+        clipped_sum = torch.compile(self.clipped_sum, mode=mode, backend=backend)
+        release = torch.compile(self.release, mode=release_mode, backend=backend)
+        self._compiled = (clipped_sum, release, cudagraphs)
+
+    def prepare(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook, nothing by default
+        """Called before every micro-batch, outside compiled code: one-time model changes (layer conversion)."""
+
+    def _clipped_sum_step(
+        self, model: torch.nn.Module, batch: Batch, step: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`clipped_sum`, compiled after :meth:`compile`."""
+        self.prepare(model)
+        if self._compiled is None:
+            return self.clipped_sum(model, batch, step)
+        clipped_sum, _, cudagraphs = self._compiled
+        cudagraphs = cudagraphs and batch.x.is_cuda  # inductor captures CUDA graphs on CUDA devices only
+        if cudagraphs:  # a new replay: the outputs of the previous one may be overwritten from here on
+            torch.compiler.cudagraph_mark_step_begin()
+        sums, loss = clipped_sum(model, batch, step)
+        if cudagraphs:  # CUDA-graph outputs live in the graph's pool: copy out what the step keeps
+            sums, loss = [s.clone() for s in sums], loss.clone()
+            for name in self._graph_state:
+                value = getattr(self, name)
+                if isinstance(value, torch.Tensor):
+                    setattr(self, name, value.clone())
+        return sums, loss
+
+    def _release_step(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
+        """:meth:`release`, compiled after :meth:`compile`."""
+        (self.release if self._compiled is None else self._compiled[1])(model, sums, step)
+
     @abc.abstractmethod
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(sum over the real examples of ``batch`` of each one's bounded gradient contribution, per trainable
@@ -75,25 +223,43 @@ class Variant(abc.ABC):
         """Noise, once per logical step (keyed by ``step``), on the logical batch's ``sums``; set every trainable
         parameter's ``p.grad`` to the released mean. ``sums`` may be modified in place."""
 
-    def gradient(self, model: torch.nn.Module, batch: Batch | Sequence[Batch], step: int) -> torch.Tensor:
+    def gradient(
+        self, model: torch.nn.Module, batch: Batch | Sequence[Batch], step: int, all_reduce_sum=None
+    ) -> torch.Tensor:
         """Set ``p.grad`` of every trainable parameter to this step's gradient.
 
         ``batch`` is the logical batch, or its micro-batches (virtual batches: sums added, one release). ``step`` is
-        the global step index (keys the noise). Returns the summed loss of the real examples (a detached scalar
-        tensor; no host synchronisation)."""
+        the global step index (keys the noise). ``all_reduce_sum`` (data-parallel training, see :meth:`reduce`):
+        ``batch`` is this process's shard of the logical batch, and the sums are reduced over the processes before
+        the release. Returns the summed loss of the real examples (a detached scalar tensor; no host
+        synchronisation; the global batch's under ``all_reduce_sum``)."""
         batches = [batch] if isinstance(batch, Batch) else list(batch)
         if not batches:
             raise ValueError(
                 "a logical batch needs at least one (possibly empty) micro-batch: the noise is released "
                 "every step, also for an empty Poisson sample"
             )
-        sums, loss = self.clipped_sum(model, batches[0], step)
+        sums, loss = self._clipped_sum_step(model, batches[0], step)
         for micro in batches[1:]:
-            more, more_loss = self.clipped_sum(model, micro, step)
+            more, more_loss = self._clipped_sum_step(model, micro, step)
             torch._foreach_add_(sums, more)
             loss = loss + more_loss
-        self.release(model, sums, step)
+        if all_reduce_sum is not None:
+            loss = self.reduce(sums, loss, all_reduce_sum)
+        self._release_step(model, sums, step)
         return loss
+
+    def reduce(self, sums: list[torch.Tensor], loss: torch.Tensor, all_reduce_sum) -> torch.Tensor:
+        """Data-parallel training (``fastdp.train.distributed``), between :meth:`clipped_sum` and :meth:`release`:
+        turn this process's ``sums`` (in place) and summed ``loss`` into the global batch's, and return that loss.
+        ``all_reduce_sum(tensors)`` sums each tensor over the processes, in place (one collective per dtype, so
+        the list must have the same dtypes on every process). A variant whose release reads more of the batch
+        than the sums (the non-private mean's example count) reduces that here too. No noise: the release adds it
+        once, to the global sums."""
+        dtype = next((t.dtype for t in sums if t.is_floating_point()), torch.float32)  # the same on every process
+        total = loss.detach().to(dtype).reshape(1).clone()
+        all_reduce_sum([*sums, total])
+        return total.reshape(())
 
     def after_step(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook, nothing by default
         """Called after the optimizer step (e.g. a projection onto the constraint set: post-processing)."""
@@ -124,16 +290,25 @@ def sum_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def summed_loss_gradients(model: torch.nn.Module, loss_fn, batch: Batch) -> tuple[list[torch.Tensor], torch.Tensor]:
+def summed_loss_gradients(
+    model: torch.nn.Module, loss_fn, batch: Batch, forward=None, loss_scale: float = 1.0
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(gradient of the summed loss of the real examples w.r.t. each trainable parameter, in ``sum_dtype``; that
-    summed loss). One ordinary backward: for variants whose sensitivity is bounded inside the network."""
+    summed loss). One ordinary backward: for variants whose sensitivity is bounded inside the network.
+
+    ``forward(model, x)`` runs the model (default ``model(x)``; a variant passes its ``_forward``, which applies
+    autocast); the backward is of ``loss_scale`` times the summed loss, and the gradients are divided by it in fp32
+    (fp16 loss scaling)."""
     params = trainable_parameters(model)
-    losses = loss_fn(model(batch.x), batch.y) * batch.mask if batch.x.shape[0] else None
-    if losses is None:
+    if batch.x.shape[0] == 0:
         return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
-    grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+    losses = loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y) * batch.mask
+    grads = torch.autograd.grad(losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum(), params,
+                                allow_unused=True)  # fmt: skip
     sums = [torch.zeros_like(p, dtype=sum_dtype(p)) if g is None else g.to(sum_dtype(p))
             for p, g in zip(params, grads, strict=True)]  # fmt: skip
+    if loss_scale != 1.0:
+        torch._foreach_div_(sums, loss_scale)
     return sums, losses.detach().sum()
 
 
@@ -166,7 +341,19 @@ def release_noisy_mean(
 
 
 def _add_noise(sums: list[torch.Tensor], stds, seed: int, step: int, secure: bool) -> None:
-    if secure:
+    if torch.compiler.is_compiling():  # drawn eagerly, outside any graph (see draw_eagerly)
+        _add_noise_eagerly(sums, stds, seed, step, secure)
+    elif secure:
         add_noise_(sums, stds, secure=True)
     else:
         add_noise_(sums, stds, seed=seed, offset=step)
+
+
+def draw_eagerly(fn):
+    """``fn`` run outside torch.compile graphs (a graph break around the call): for draws keyed by the step. A
+    graph captured as a CUDA graph would replay the key it was recorded with, so every step would get the first
+    step's noise; eagerly, each call draws with the key it is given."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+_add_noise_eagerly = draw_eagerly(_add_noise)

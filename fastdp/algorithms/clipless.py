@@ -21,7 +21,14 @@ import math
 
 import torch
 
-from fastdp.algorithms.base import Batch, Variant, release_noisy_mean, summed_loss_gradients, trainable_parameters
+from fastdp.algorithms.base import (
+    SUMMED_IN_LOW_PRECISION,
+    Batch,
+    Variant,
+    release_noisy_mean,
+    summed_loss_gradients,
+    trainable_parameters,
+)
 from fastdp.nn.clip import clip_rows
 from fastdp.nn.lipschitz import LipschitzLoss, TauCrossEntropy, lipschitz_bounds, project_
 from fastdp.ops.spectral import deferred_finite_checks
@@ -34,6 +41,10 @@ class Clipless(Variant):
 
     name = "clipless"
     private = True
+    low_precision_refusal = (
+        "its per-example bounds are analytic (Lipschitz constants and the input bound) on the exact gradient, with "
+        "no per-example step that would absorb rounding; " + SUMMED_IN_LOW_PRECISION
+    )
 
     def __init__(
         self,
@@ -93,7 +104,7 @@ class Clipless(Variant):
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         if self.input_bound is not None:  # enforce X_0 on the inputs (a per-example projection)
             batch = Batch(clip_rows(batch.x, self.input_bound), batch.y, batch.mask)
-        return summed_loss_gradients(model, self.loss_fn, batch)
+        return summed_loss_gradients(model, self.loss_fn, batch, self._forward)
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         # the bounds are those of the weights the sums were computed with (the step has not changed them yet)

@@ -19,6 +19,27 @@ Per-layer clipping: ``clip_norm`` may be a list with one threshold C_l per DP la
 and its sum gets noise std sigma * sqrt(L) * C_l: L Gaussian mechanisms with multipliers
 sigma * sqrt(L), which account as one with multiplier (sum_l (sigma sqrt L)^-2)^-1/2 = sigma
 (``fastdp.privacy.per_layer_noise_multiplier``).
+
+Mixed precision (``set_precision("bf16" | "fp16")``): the sensitivity bound holds under low-precision rounding.
+Only the model's forward runs under autocast (``Variant._forward``), and so, through the dtypes autocast chose, the
+backward that produces each DP layer's output gradient G; each layer's saved input A is the low-precision tensor
+its matmul consumed. Everything after the backward runs outside autocast with fp32 accumulation (``_clip_and_sum``):
+each example's squared norm ||a_i^T g_i||^2 (or its ghost form), its clip factor c_i, and its contribution
+c_i a_i^T g_i to the clipped sum are computed from the *same* A and G rows. The sensitivity argument never needed
+A and G to be exact: it needs each example's contribution to depend on that example alone (no layer mixes
+examples, ``check_supported``; the loss scale is a fixed constant) and to have norm <= C. Rounding in the forward
+and backward only makes a_i, g_i different functions of example i; given them, the norm and the contribution are
+computed exactly as in fp32 training, so ||c_i a_i^T g_i|| <= C up to fp32 rounding of these fp32 computations
+(relative ~1e-7, the same caveat as fp32 training). What rounding changes is which gradient gets clipped, i.e. the
+accuracy, not the bound (tests/test_precision.py: each example's contribution <= C (1 + 1e-5) under bf16 and fp16,
+adversarial inputs included; its norm is close to, not equal to, the fp32 per-example gradient's from torch.func).
+Under low precision an example whose norm is not finite in some layer (an overflow in its forward or backward,
+common in fp16) contributes exactly zero: its factor and its rows of A and G are zeroed before the sums. That is a
+per-example operation like clipping, so the sum stays finite and the bound holds without skipping the step (a
+skip would itself reveal, unnoised, that some example overflowed). Such examples are counted in
+``nonfinite_examples`` (reported by ``describe``). fp16 scales the summed loss by a fixed power of two S before the
+backward: the squared norms are divided by S^2 and the factors by S in fp32, both exact. The reference mode
+(``torch.func`` per-example gradients) is fp32 only: torch.func's vmap fails on the autocast backward of LayerNorm.
 """
 
 from __future__ import annotations
@@ -45,15 +66,21 @@ NORM_EPS = 1e-6  # in the clip factor's denominator (Opacus' convention)
 MODES = ("ghost", "reference")
 
 
-def per_example_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-    """Gradient of each example's loss w.r.t. each trainable parameter: tensors of shape [B, *p.shape]."""
+def per_example_gradients(
+    model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, forward=None
+) -> list[torch.Tensor]:
+    """Gradient of each example's loss w.r.t. each trainable parameter: tensors of shape [B, *p.shape].
+    ``forward(fn, x)`` runs the model's forward ``fn`` (default ``fn(x)``; DP-SGD passes its ``_forward``)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     buffers = dict(model.named_buffers())
 
     def example_loss(trainable, xi, yi):
-        out = functional_call(model, {**trainable, **frozen, **buffers}, (xi.unsqueeze(0),))
+        def run(inputs):
+            return functional_call(model, {**trainable, **frozen, **buffers}, (inputs,))
+
+        out = run(xi.unsqueeze(0)) if forward is None else forward(run, xi.unsqueeze(0))
         return loss_fn(out, yi.unsqueeze(0)).sum()
 
     grads = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")(params, x, y)
@@ -74,22 +101,59 @@ def _factors(sq_norms: torch.Tensor, clip_norm: float | Sequence[float]) -> torc
     return (bounds / (sq_norms.sqrt() + NORM_EPS)).clamp(max=1.0)
 
 
+def _zero_rows(value, keep: torch.Tensor):
+    """``value`` (a tensor, or a list/tuple of them) with the rows (dim 0) of the examples not in ``keep`` [B] set to
+    0; integer tensors (token ids) are returned as they are."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_zero_rows(v, keep) for v in value)
+    if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+        return value
+    if value.dim() == 0 or value.shape[0] != keep.shape[0]:
+        raise ValueError(
+            f"a DP layer kept a tensor of shape {tuple(value.shape)} for the clipped sum of {keep.shape[0]} examples; "
+            "non-finite examples can only be left out of batch-first tensors (one row per example)"
+        )
+    return torch.where(keep.reshape(-1, *([1] * (value.dim() - 1))), value, 0)
+
+
 def ghost_clipped_gradient_sum(
-    model: torch.nn.Module, loss_fn, batch: Batch, clip_norm: float | Sequence[float], scale: float = 1.0
+    model: torch.nn.Module,
+    loss_fn,
+    batch: Batch,
+    clip_norm: float | Sequence[float],
+    scale: float = 1.0,
+    forward=None,
+    loss_scale: float = 1.0,
+    finite_only: bool = False,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(sum over real examples of the clipped per-example gradients per trainable parameter, times ``scale``;
     summed loss). ``scale`` rides on the clip factors (DP-SGD passes 1/(qN), saving a pass over the gradients).
 
     One forward and one backward through fastdp DP layers; per-example gradients are never formed where the
     ghost norm is cheaper. ``model`` must consist of DP layers (see :func:`fastdp.nn.convert`).
+
+    Low precision (see the module docstring): ``forward(model, x)`` runs the model (default ``model(x)``; DP-SGD
+    passes its autocast ``_forward``); the backward is of ``loss_scale`` times the summed loss, and the squared
+    norms and the clip factors are unscaled in fp32. ``finite_only``: an example with a non-finite norm in any
+    layer (an overflow in its forward or backward) contributes zero and its loss is left out of the summed loss.
     """
+    sums, loss, _ = _ghost_clipped_gradient_sum(model, loss_fn, batch, clip_norm, scale, forward, loss_scale,
+                                                finite_only)  # fmt: skip
+    return sums, loss
+
+
+def _ghost_clipped_gradient_sum(
+    model, loss_fn, batch, clip_norm, scale, forward, loss_scale, finite_only
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """:func:`ghost_clipped_gradient_sum`, and the number of real examples left out as not finite (``finite_only``;
+    else None)."""
     params = trainable_parameters(model)
     check_supported(model)  # every step: train/eval mode and tied weights can change after convert()
     if batch.x.shape[0] == 0:
-        return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
-    with GhostClipping() as ctx:
-        losses = loss_fn(model(batch.x), batch.y) * batch.mask
-    records = ctx.records
+        zeros = [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params]
+        none = torch.zeros((), dtype=torch.int64, device=batch.x.device) if finite_only else None
+        return zeros, torch.zeros((), device=batch.x.device), none
+    losses, records = _ghost_forward(model, loss_fn, batch, forward)
     size = batch.x.shape[0]
     for r in records:
         if len(r.shape) == 0 or r.shape[0] != size:
@@ -98,7 +162,8 @@ def ghost_clipped_gradient_sum(
                 f"the batch ({size} examples): DP layers need batch-first inputs so each row belongs to one example "
                 "(e.g. expand position indices to [B, T] before a positional Embedding)"
             )
-    layer_params = [r.layer.dp_parameters() for r in records]
+    layers = [r.layer for r in records]
+    layer_params = [layer.dp_parameters() for layer in layers]
     owned = {id(p) for ps in layer_params for p in ps}
     missing = [p for p in params if id(p) not in owned]
     if missing:
@@ -107,30 +172,74 @@ def ghost_clipped_gradient_sum(
             f"{len(missing)} trainable parameters were not used through a fastdp DP layer in the forward; "
             "freeze them or use DPSGD(mode='reference')"
         )
-    losses.sum().backward()  # the layers' hooks collect G; parameters were detached, so no .grad is touched
-    grads_out = [r.grad if r.grad is not None else batch.x.new_zeros(r.shape, dtype=losses.dtype) for r in records]
-    caches = [{} for _ in records]  # per-example gradients a layer formed for its norm, reused for its sum
-    sq_norms = torch.stack([r.layer.per_example_sq_norms(r.saved, g, cache)
-                            for r, g, cache in zip(records, grads_out, caches, strict=True)])  # fmt: skip
     if not isinstance(clip_norm, (int, float)):
         order = {id(m): i for i, m in enumerate(dp_layers(model))}
-        clip_norm = [clip_norm[order[id(r.layer)]] for r in records]
-    factors = _factors(sq_norms, clip_norm) * (batch.mask.to(sq_norms.dtype) * scale)
-    sums: dict[int, torch.Tensor] = {}
-    for r, ps, g, c, cache in zip(records, layer_params, grads_out, factors, caches, strict=True):
-        for p, total in zip(ps, r.layer.clipped_grad_sums(r.saved, g, c, cache), strict=True):
-            sums[id(p)] = total.to(sum_dtype(p))
-    return [sums[id(p)] for p in params], losses.detach().sum()
+        clip_norm = [clip_norm[order[id(layer)]] for layer in layers]
+    # the layers' hooks collect G (of loss_scale times the loss); parameters were detached, so no .grad is touched
+    (losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum()).backward()
+    grads_out = [r.grad if r.grad is not None else batch.x.new_zeros(r.shape, dtype=r.dtype) for r in records]
+    layer_sums, loss, dropped = _clip_and_sum(layers, [r.saved for r in records], grads_out, losses.detach(),
+                                              batch.mask, clip_norm, scale, loss_scale, finite_only)  # fmt: skip
+    sums = {id(p): total.to(sum_dtype(p)) for ps, totals in zip(layer_params, layer_sums, strict=True)
+            for p, total in zip(ps, totals, strict=True)}  # fmt: skip
+    return [sums[id(p)] for p in params], loss, dropped
+
+
+def _ghost_forward(model, loss_fn, batch: Batch, forward) -> tuple[torch.Tensor, list]:
+    """(masked per-example losses, the DP layers' records) of the forward in a GhostClipping context. A function of
+    its own for torch.compile: a graph break inside the context (each layer's hook registration) makes dynamo run
+    the frame that holds the context eagerly, and this keeps that frame small."""
+    with GhostClipping() as ctx:
+        losses = loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y) * batch.mask
+    return losses, ctx.records
+
+
+def _clip_and_sum(
+    layers: list,
+    saved: list,
+    grads_out: list,
+    losses: torch.Tensor,
+    mask: torch.Tensor,
+    clip_norm,
+    scale: float,
+    loss_scale: float,
+    finite_only: bool,
+) -> tuple[list[list[torch.Tensor]], torch.Tensor, torch.Tensor | None]:
+    """After the backward, from each DP layer's saved input A and output gradient G: per-example norms, clip factors,
+    each layer's clipped sums (one list per layer), the summed loss, the non-finite count (``finite_only``). Pure
+    tensor work, outside autocast (fp32 accumulation), one graph under torch.compile."""
+    caches = [{} for _ in layers]  # per-example gradients a layer formed for its norm, reused for its sum
+    sq_norms = torch.stack([layer.per_example_sq_norms(a, g, cache)
+                            for layer, a, g, cache in zip(layers, saved, grads_out, caches, strict=True)])  # fmt: skip
+    if loss_scale != 1.0:
+        sq_norms = sq_norms / (loss_scale * loss_scale)  # exact in fp32: a power of two
+    factors = _factors(sq_norms, clip_norm) * (mask.to(sq_norms.dtype) * (scale / loss_scale))
+    dropped = None
+    if finite_only:  # an example whose norm is not finite in some layer contributes 0 (its rows of A, G zeroed)
+        keep = torch.isfinite(sq_norms).all(0)
+        dropped = (mask & ~keep).sum()
+        factors = torch.where(keep, factors, 0)
+        saved, grads_out, losses = _zero_rows(saved, keep), _zero_rows(grads_out, keep), torch.where(keep, losses, 0)
+        caches = [{k: _zero_rows(v, keep) for k, v in cache.items()} for cache in caches]
+    sums = [layer.clipped_grad_sums(a, g, c, cache)
+            for layer, a, g, c, cache in zip(layers, saved, grads_out, factors, caches, strict=True)]  # fmt: skip
+    return sums, losses.sum(), dropped
 
 
 def clipped_gradient_sum(
-    model: torch.nn.Module, loss_fn, batch: Batch, clip_norm: float | Sequence[float], scale: float = 1.0
+    model: torch.nn.Module,
+    loss_fn,
+    batch: Batch,
+    clip_norm: float | Sequence[float],
+    scale: float = 1.0,
+    forward=None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Same as :func:`ghost_clipped_gradient_sum` from ``torch.func`` per-example gradients (reference)."""
+    """Same as :func:`ghost_clipped_gradient_sum` from ``torch.func`` per-example gradients (reference; fp32:
+    ``DPSGD`` refuses low precision in this mode)."""
     params = trainable_parameters(model)
     if batch.x.shape[0] == 0:
         return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
-    per_example = per_example_gradients(model, loss_fn, batch.x, batch.y)
+    per_example = per_example_gradients(model, loss_fn, batch.x, batch.y, forward)
     if isinstance(clip_norm, (int, float)):
         groups = [list(range(len(params)))]
     else:  # one group per DP layer
@@ -144,7 +253,7 @@ def clipped_gradient_sum(
         for i in group:
             sums[i] = torch.einsum("b,b...->...", c.to(sum_dtype(params[i])), per_example[i].to(sum_dtype(params[i])))
     with torch.no_grad():
-        loss = (loss_fn(model(batch.x), batch.y) * batch.mask).sum()
+        loss = (loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y) * batch.mask).sum()
     return sums, loss
 
 
@@ -153,6 +262,8 @@ class DPSGD(Variant):
 
     name = "dpsgd"
     private = True
+    low_precision_refusal = None  # sound under bf16/fp16 autocast: see the module docstring
+    _graph_state = ("nonfinite_examples",)
 
     def __init__(
         self,
@@ -183,13 +294,14 @@ class DPSGD(Variant):
         self.secure = secure
         self.mode = mode
         self._prepared: set[int] = set()
+        self.nonfinite_examples: torch.Tensor | int = 0  # bf16/fp16: real examples left out as not finite, so far
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> DPSGD:
         return cls(config.clip_norm, noise_multiplier, sample_rate, num_examples, seed=noise_seed,
                    secure=config.secure)  # fmt: skip
 
-    def _prepare(self, model: torch.nn.Module) -> None:
+    def prepare(self, model: torch.nn.Module) -> None:
         """Ghost mode: convert torch layers to DP layers once per model (in place; parameters are kept)."""
         if self.mode == "ghost" and id(model) not in self._prepared:
             convert(model)
@@ -213,9 +325,25 @@ class DPSGD(Variant):
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         # 1/(qN) rides on the clip factors and the noise std is scaled to match (release): the same release as
         # noise on the sum divided by qN, without a division pass over the gradients
-        self._prepare(model)
-        clipped_sum = ghost_clipped_gradient_sum if self.mode == "ghost" else clipped_gradient_sum
-        return clipped_sum(model, self.loss_fn, batch, self.clip_norm, scale=1.0 / self.expected_batch_size)
+        self.prepare(model)
+        scale = 1.0 / self.expected_batch_size
+        if self.mode == "reference":
+            return clipped_gradient_sum(model, self.loss_fn, batch, self.clip_norm, scale, self._forward)
+        sums, loss, dropped = _ghost_clipped_gradient_sum(model, self.loss_fn, batch, self.clip_norm, scale,
+                                                          self._forward, self.loss_scale,
+                                                          finite_only=self.precision != "fp32")  # fmt: skip
+        if dropped is not None:
+            self.nonfinite_examples = self.nonfinite_examples + dropped
+        return sums, loss
+
+    def set_precision(self, precision: str, loss_scale: float | None = None) -> None:
+        if precision != "fp32" and self.mode == "reference":
+            raise ValueError(
+                "DPSGD(mode='reference') runs in fp32 only: torch.func's vmap fails on the backward of an autocast "
+                "LayerNorm ('expected scalar type BFloat16 but found Float', seen with torch 2.13 on CPU), so the "
+                f"reference cannot cover every model. Use mode='ghost' (the default) for {precision}, or fp32"
+            )
+        super().set_precision(precision, loss_scale)
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)
@@ -237,4 +365,7 @@ class DPSGD(Variant):
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
+            "precision": self.precision,
+            "loss_scale": self.loss_scale,
+            "nonfinite_examples": int(self.nonfinite_examples),
         }

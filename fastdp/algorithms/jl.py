@@ -33,8 +33,10 @@ from torch import nn
 from torch.func import functional_call, jvp, vmap
 
 from fastdp.algorithms.base import (
+    SUMMED_IN_LOW_PRECISION,
     Batch,
     Variant,
+    draw_eagerly,
     per_example_cross_entropy,
     release_noisy_mean,
     sum_dtype,
@@ -71,7 +73,10 @@ def draw_tangents(
 ) -> list[torch.Tensor]:
     """Tangents ``first .. first + count - 1`` of ``step``: one [count, *p.shape] N(0, 1) tensor per parameter.
 
-    Tangent j is counter ``step * projections + j`` of the tangent stream, whatever the chunking."""
+    Tangent j is counter ``step * projections + j`` of the tangent stream, whatever the chunking. Under
+    torch.compile they are drawn eagerly (``draw_eagerly``): never replayed from a captured graph."""
+    if torch.compiler.is_compiling():
+        return _draw_tangents_eagerly(params, seed, step, projections, first, count, secure)
     out = [torch.zeros(count, *p.shape, dtype=sum_dtype(p), device=p.device) for p in params]
     for k in range(count):
         rows = [t[k] for t in out]
@@ -80,6 +85,9 @@ def draw_tangents(
         else:
             add_noise_(rows, 1.0, seed=tangent_seed(seed), offset=step * projections + first + k)
     return [t.to(p.dtype) for t, p in zip(out, params, strict=True)]
+
+
+_draw_tangents_eagerly = draw_eagerly(draw_tangents)
 
 
 def jl_projections(
@@ -92,17 +100,22 @@ def jl_projections(
     step: int,
     secure: bool = False,
     chunk: int = 8,
+    forward=None,
 ) -> torch.Tensor:
     """P [B, r] with P_ij = <grad of example i's loss, v_j>, from forward-mode jvp's of the per-example loss vector.
 
-    ``chunk`` tangents at a time go through one vmapped jvp (the primal forward is shared by the chunk)."""
+    ``chunk`` tangents at a time go through one vmapped jvp (the primal forward is shared by the chunk).
+    ``forward(fn, x)`` runs the model's forward ``fn`` (default ``fn(x)``; the variant passes its ``_forward``)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     fixed = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     fixed.update(dict(model.named_buffers()))
 
     def losses(trainable: dict) -> torch.Tensor:
-        return loss_fn(functional_call(model, {**trainable, **fixed}, (x,)), y)
+        def run(inputs: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, {**trainable, **fixed}, (inputs,))
+
+        return loss_fn(run(x) if forward is None else forward(run, x), y)
 
     def project(*tangent: torch.Tensor) -> torch.Tensor:
         return jvp(losses, (params,), (dict(zip(names, tangent, strict=True)),))[1]
@@ -121,13 +134,14 @@ def norm_estimates(p: torch.Tensor) -> torch.Tensor:
 
 
 def reweighted_gradient_sum(
-    model: nn.Module, loss_fn, batch: Batch, weights: torch.Tensor
+    model: nn.Module, loss_fn, batch: Batch, weights: torch.Tensor, forward=None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(gradient of sum_i w_i loss_i per trainable parameter, in ``sum_dtype``; the summed loss of the real rows).
 
-    One forward and one ordinary backward; ``weights`` [B] are constants (detached) and should be 0 on padding."""
+    One forward (``forward(model, x)``, default ``model(x)``) and one ordinary backward; ``weights`` [B] are
+    constants (detached) and should be 0 on padding."""
     params = trainable_parameters(model)
-    losses = loss_fn(model(batch.x), batch.y)
+    losses = loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y)
     grads = torch.autograd.grad((losses * weights.detach().to(losses.dtype)).sum(), params, allow_unused=True)
     sums = [torch.zeros_like(p, dtype=sum_dtype(p)) if g is None else g.to(sum_dtype(p))
             for p, g in zip(params, grads, strict=True)]  # fmt: skip
@@ -139,6 +153,11 @@ class JL(Variant):
 
     name = "jl"
     private = True
+    low_precision_refusal = (
+        "its accountant assumes each per-example norm estimate is exactly sqrt(chi2_r / r) times the exact norm "
+        "(Gaussian projections of the exact gradient), which low-precision jvp's do not give, and the reweighted "
+        "gradient is not clipped per example afterwards; " + SUMMED_IN_LOW_PRECISION
+    )
 
     def __init__(
         self,
@@ -185,7 +204,7 @@ class JL(Variant):
         """w_i = min(1, C / (M_i + 1e-6)) on real rows, 0 on padding."""
         check_deterministic_per_example(model)
         p = jl_projections(model, self.loss_fn, batch.x, batch.y, self.projections, self.seed, step, self.secure,
-                           self.chunk)  # fmt: skip
+                           self.chunk, self._forward)  # fmt: skip
         weights = (self.clip_norm / (norm_estimates(p) + NORM_EPS)).clamp(max=1.0)
         return weights * batch.mask.to(weights.dtype)
 
@@ -193,7 +212,8 @@ class JL(Variant):
         if batch.x.shape[0] == 0:
             params = trainable_parameters(model)
             return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
-        return reweighted_gradient_sum(model, self.loss_fn, batch, self.clip_weights(model, batch, step))
+        return reweighted_gradient_sum(model, self.loss_fn, batch, self.clip_weights(model, batch, step),
+                                       self._forward)  # fmt: skip
 
     def release(self, model: nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)

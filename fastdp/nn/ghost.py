@@ -25,11 +25,13 @@ _state = threading.local()
 
 @dataclass
 class Record:
-    """One DP layer call: the layer, what it saved (detached), its output's shape, and G once the backward ran."""
+    """One DP layer call: the layer, what it saved (detached), its output's shape and dtype, and G once the backward
+    ran."""
 
     layer: torch.nn.Module
     saved: tuple
     shape: torch.Size
+    dtype: torch.dtype
     grad: torch.Tensor | None = None
 
     def _capture(self, grad: torch.Tensor) -> None:
@@ -43,15 +45,19 @@ class GhostClipping:
         self.records: list[Record] = []
         self._seen: set[int] = set()
 
+    @torch.compiler.disable
     def tap(self, layer: torch.nn.Module, saved: tuple, output: torch.Tensor) -> torch.Tensor:
-        """Register a layer call; returns ``output`` with a hook that stores its gradient G in the record."""
+        """Register a layer call; returns ``output`` with a hook that stores its gradient G in the record.
+
+        Never compiled (``torch.compiler.disable``: a graph break per layer under torch.compile): it is Python
+        bookkeeping and a hook registration, and tracing it would guard on this step's records."""
         if id(layer) in self._seen:
             raise ValueError(
                 f"{type(layer).__name__} is called twice in one forward (shared weights): its per-example gradient "
                 "is the sum of both calls, which one-backward clipping cannot split; use DPSGD(mode='reference')"
             )
         self._seen.add(id(layer))
-        record = Record(layer, saved, output.shape)
+        record = Record(layer, saved, output.shape, output.dtype)
         if not output.requires_grad:
             # First layer: neither input nor (detached) parameters need grad. A non-leaf copy keeps in-place
             # ops on the output (ReLU(inplace=True)) legal.

@@ -31,6 +31,17 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _as_consumed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` detached, in the dtype a Linear/Conv consumes it in: under bf16/fp16 autocast such a layer casts its
+    float32 input (e.g. the model's input) to the autocast dtype, and its output, hence G, has that dtype too. The
+    saved A is then the A the layer multiplied, of G's dtype (as the ghost-norm op needs)."""
+    x = x.detach()
+    device = x.device.type
+    if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
 def _rowsq(t: torch.Tensor) -> torch.Tensor:
     """Per-example sum of squares of a [B, ...] tensor, in the accumulation dtype."""
     return torch.linalg.vector_norm(t.reshape(t.shape[0], math.prod(t.shape[1:])), dim=1, dtype=_acc(t)).square()
@@ -82,6 +93,10 @@ class DPLayer:
     def dp_parameters(self) -> list[nn.Parameter]:
         return own_trainable(self)
 
+    def _trains(self) -> bool:
+        """Whether the layer has a trainable parameter (no ``id()``s: torch.compile would guard on them)."""
+        return any(p is not None and p.requires_grad for p in self._parameters.values())
+
     def _detached(self, name: str):
         p = getattr(self, name)
         return None if p is None else p.detach()
@@ -92,10 +107,10 @@ class Linear(nn.Linear, DPLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = active_context()
-        if ctx is None or not self.dp_parameters():
+        if ctx is None or not self._trains():
             return super().forward(x)
         out = F.linear(x, self._detached("weight"), self._detached("bias"))
-        return ctx.tap(self, (x.detach(),), out)
+        return ctx.tap(self, (_as_consumed(x),), out)
 
     @staticmethod
     def _flat(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +162,7 @@ class _ConvNd(DPLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = active_context()
-        if ctx is None or not self.dp_parameters():
+        if ctx is None or not self._trains():
             return super().forward(x)
         if self.padding_mode != "zeros":
             raise ValueError(
@@ -155,7 +170,7 @@ class _ConvNd(DPLayer):
                 "training; use padding_mode='zeros' (or pad the input with F.pad before the layer)"
             )
         out = self._conv_forward(x, self._detached("weight"), self._detached("bias"))
-        return ctx.tap(self, (x.detach(),), out)
+        return ctx.tap(self, (_as_consumed(x),), out)
 
     def _padding(self) -> tuple[int, ...]:
         if isinstance(self.padding, str):
@@ -275,7 +290,7 @@ class Embedding(nn.Embedding, DPLayer):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         ctx = active_context()
-        if ctx is None or not self.dp_parameters():
+        if ctx is None or not self._trains():
             return super().forward(idx)
         if self.sparse or self.max_norm is not None:
             raise ValueError("fastdp.nn.Embedding: sparse=True and max_norm are not supported in DP training")
@@ -327,7 +342,7 @@ class _AffineNorm(DPLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = active_context()
-        if ctx is None or not self.dp_parameters():
+        if ctx is None or not self._trains():
             return super().forward(x)
         x_hat = self._normalise(x)
         out = x_hat

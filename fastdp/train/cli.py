@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from fastdp.algorithms import VARIANTS
 from fastdp.privacy.accounting import MECHANISMS
 from fastdp.train.data import DATASETS
+from fastdp.train.distributed import launch, launched_by_torchrun, process_group
 from fastdp.train.models import MODELS
 from fastdp.train.trainer import TrainConfig, train
 
@@ -91,6 +93,22 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--secure", action="store_true",
                    help="draw noise and batches from the OS entropy source (floating-point-attack-resistant "
                         "noise); runs cannot be replayed")  # fmt: skip
+    g = parser.add_argument_group("precision and compilation")
+    g.add_argument("--precision", default=d.precision, choices=["fp32", "bf16", "fp16"],
+                   help="autocast the model's forward (and so its backward) to bf16/fp16; per-example norms, clip "
+                        "factors, clipped sums and noise stay fp32. dpsgd and nonprivate only: clipless, "
+                        "weightclip, backprop and jl refuse it, as rounding can break their bounds "
+                        "(default: %(default)s)")  # fmt: skip
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16: fixed power-of-two loss scale (default 1024); dpsgd gives an example whose gradient "
+                        "overflows a zero contribution, no step is skipped")  # fmt: skip
+    g.add_argument("--compile", nargs="?", const="default", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                   help="torch.compile the private step (optionally with a mode; plain --compile: default). "
+                        "reduce-overhead captures CUDA graphs on CUDA: use fixed shapes (--pad and --micro-batch); "
+                        "noise is always drawn eagerly")  # fmt: skip
+    g.add_argument("--compile-backend", default=d.compile_backend, choices=["inductor", "aot_eager", "eager"],
+                   help="torch.compile backend (default: %(default)s)")  # fmt: skip
     g = parser.add_argument_group("run")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of split, init, sampling and noise (default: 0)")
     g.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
@@ -98,11 +116,55 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true", help="continue from --checkpoint (same settings; more epochs ok)")
     g.add_argument("--out", default=None, help="write the result (config, per-epoch log, final metrics) as JSON")
     g.add_argument("--quiet", action="store_true", help="no per-epoch log")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="data-parallel training on this many local processes, launched with torchrun (gloo on CPU, "
+                        "nccl on CUDA with one GPU per process): every process clips its shard of one global "
+                        "Poisson batch, the clipped sums are all-reduced and the noise is added once, so the result "
+                        "is the single-process one up to float reassociation; rank 0 logs and writes --out and "
+                        "--checkpoint")  # fmt: skip
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
     fields = TrainConfig.__dataclass_fields__
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc N`` / ``--nproc=N`` (and argparse's abbreviations of it): the workers' command."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name, eq, _ = token.partition("=")
+        if len(name) >= len("--np") and "--nproc".startswith(name):
+            skip = not eq
+            continue
+        out.append(token)
+    return out
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    """``fastdp train``: one process; with ``--nproc N``, launch N workers via torchrun; as a torchrun worker, join
+    the process group (data-parallel, ``fastdp.train.distributed``) and let rank 0 print the result."""
+    config = _config(args)
+    if launched_by_torchrun():
+        if args.nproc is not None:
+            raise ValueError("--nproc launches torchrun itself; under torchrun, leave --nproc out")
+        with process_group(config.device):
+            result = train(config)
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    elif args.nproc is not None:
+        config.validate()  # refuse a bad configuration before starting any process
+        return launch(args.nproc, _without_nproc(argv))
+    else:
+        result = train(config)
+    print(json.dumps({k: result[k] for k in ("variant", "dataset", "epsilon", "delta", "test_accuracy",
+                                             "test_auroc", "steps", "train_seconds")}))  # fmt: skip
+    if "note" in result:
+        print(f"note: {result['note']}", file=sys.stderr)
+    return 0
 
 
 def demo_configs(data_dir: str | None = None) -> list[TrainConfig]:
@@ -154,15 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_train_arguments(train_parser)
     demo_parser = sub.add_parser("demo", help=f"non-private vs DP-SGD at three epsilons on {DEMO_DATASET}")
     demo_parser.add_argument("--data-dir", default=None, help="unused by the bundled data set; kept for symmetry")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            result = train(_config(args))
-            print(json.dumps({k: result[k] for k in ("variant", "dataset", "epsilon", "delta", "test_accuracy",
-                                                     "test_auroc", "steps", "train_seconds")}))  # fmt: skip
-            if "note" in result:
-                print(f"note: {result['note']}", file=sys.stderr)
-            return 0
+            return _train(args, argv)
         print(f"fastdp demo: {demo_configs.__doc__.split(':', 1)[1].strip()}", flush=True)
         results = []
         for config in demo_configs(args.data_dir):
@@ -171,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(results))
         return 0
     except (ValueError, FileNotFoundError) as exc:
-        print(f"fastdp: error: {exc}", file=sys.stderr)
+        where = f" (rank {os.environ['RANK']})" if launched_by_torchrun() else ""
+        print(f"fastdp: error{where}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fastdp.algorithms import VARIANTS, Batch, Variant
+from fastdp.algorithms.base import check_compile, resolve_loss_scale
 from fastdp.privacy.accounting import MECHANISMS, PrivacyAccountant, get_noise_multiplier
 from fastdp.privacy.rng import os_entropy_seed
 from fastdp.privacy.sampling import (
@@ -31,9 +32,12 @@ from fastdp.privacy.sampling import (
     physical_batch_size,
 )
 from fastdp.train.data import Dataset, load_dataset
+from fastdp.train.distributed import DataParallel, software_fingerprint, tensor_digest
 from fastdp.train.models import build_model
 
 CHECKPOINT_VERSION = 1
+# settings that may differ between the processes of one data-parallel run (the rest must match on every rank)
+_PER_RANK_FIELDS = ("device", "out", "progress", "quiet")
 
 
 @dataclass
@@ -65,6 +69,10 @@ class TrainConfig:
     shuffle: bool = False
     pad: bool = False
     micro_batch: int | None = None  # virtual batches: each logical batch runs as micro-batches of this many rows
+    precision: str = "fp32"  # fp32, bf16 or fp16: autocast of the model's forward (norms, sums, noise stay fp32)
+    loss_scale: float | None = None  # fp16: fixed power-of-two loss scale (default 2**10)
+    compile: str | None = None  # torch.compile the step: None (eager), "default", "reduce-overhead" (CUDA graphs), ...
+    compile_backend: str = "inductor"
     secure: bool = False
     seed: int = 0
     device: str = "cpu"
@@ -107,6 +115,10 @@ class TrainConfig:
         ):
             raise ValueError(f"micro-batch size must be an integer >= 1 (or None: no virtual batches), got "
                              f"{self.micro_batch!r}")  # fmt: skip
+        VARIANTS[self.variant].check_precision(self.precision)
+        resolve_loss_scale(self.precision, self.loss_scale)
+        if self.compile is not None:
+            check_compile(self.compile, self.compile_backend)
         if self.resume and not self.checkpoint:
             raise ValueError("--resume needs --checkpoint PATH")
 
@@ -145,7 +157,9 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         config.validate()
         self.config = config
-        self.device = torch.device(config.device)
+        # data-parallel when a torch.distributed process group is up (fastdp train --nproc N); None: one process
+        self.distributed = DataParallel.current()
+        self.device = self.distributed.device(config.device) if self.distributed else torch.device(config.device)
         torch.manual_seed(config.seed)
         self.data = load_dataset(config.dataset, config.data_dir, seed=config.seed)
         n = self.data.x_train.shape[0]
@@ -170,11 +184,39 @@ class Trainer:
         self.projections = VARIANTS[config.variant].accounting_projections(config)
         self.noise_multiplier = self._noise_multiplier()
         self.variant = self._make_variant()
+        self.variant.set_precision(config.precision, config.loss_scale)
+        if config.compile is not None:
+            self.variant.compile(config.compile, config.compile_backend)
         self.physical = physical_batch_size(n, self.sampler.sample_rate) if config.pad else None
+        if self.distributed is not None:
+            self._join_process_group()
         self.step = 0
         self.epoch = 0
         self.history: list[dict] = []
         self.train_seconds = 0.0
+
+    def _join_process_group(self) -> None:
+        """Data-parallel run (``fastdp.train.distributed``): refuse ranks started with different settings or data,
+        start from rank 0's weights, share secure samples, pad per-rank shards, and let rank 0 alone log."""
+        d = self.distributed
+        settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in _PER_RANK_FIELDS}
+        settings["data"] = tensor_digest([self.data.x_train, self.data.y_train, self.data.x_test, self.data.y_test])
+        settings.update(software_fingerprint(self.device.type))
+        d.check_same_run(settings)
+        d.broadcast_module(self.model)
+        self.sampler = d.shared_sampler(self.sampler)
+        if self.physical is not None:
+            self.physical = d.physical_batch_size(self.physical)
+        if not d.is_main:
+            self.config = dataclasses.replace(self.config, quiet=True, progress=False)
+        if d.world_size > self.config.batch_size:
+            _log(self.config, f"note: {d.world_size} processes for an expected batch of {self.config.batch_size}: "
+                              "most ranks will often have no examples (correct, but idle)")  # fmt: skip
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process logs and writes results and checkpoints (rank 0, or the only process)."""
+        return self.distributed is None or self.distributed.is_main
 
     def _noise_multiplier(self) -> float | None:
         config = self.config
@@ -201,7 +243,10 @@ class Trainer:
 
     def _batch(self, indices: torch.Tensor) -> Batch | list[Batch]:
         """The logical batch of ``indices``: one Batch, or its micro-batches (``micro_batch``: virtual batches, each
-        of exactly that many rows, so peak memory does not depend on the logical batch size)."""
+        of exactly that many rows, so peak memory does not depend on the logical batch size). Data-parallel: this
+        rank's shard of it."""
+        if self.distributed is not None:
+            indices = self.distributed.shard(indices)
         if self.physical is not None:
             indices, mask = pad_batch(indices, self.physical)
         else:
@@ -209,6 +254,13 @@ class Trainer:
         if self.config.micro_batch is None:
             return self._rows(indices, mask)
         return [self._rows(i, m) for i, m in micro_batches(indices, mask, self.config.micro_batch)]
+
+    def _gradient(self, batch: Batch | list[Batch]) -> torch.Tensor:
+        """The variant writes this step's gradient; data-parallel: from every rank's shard, noise added once."""
+        if self.distributed is None:
+            return self.variant.gradient(self.model, batch, self.step)
+        return self.distributed.gradient(self.variant, self.model, batch, self.step,
+                                         secure=self.private and self.config.secure)  # fmt: skip
 
     def _rows(self, indices: torch.Tensor, mask: torch.Tensor) -> Batch:
         x = self.data.x_train[indices].to(self.device)
@@ -249,7 +301,8 @@ class Trainer:
         bad = [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
         raise FloatingPointError(
             f"non-finite parameters after epoch {self.epoch} (step {self.step}): {', '.join(bad)}. Check the data for "
-            "NaN/Inf and lower the learning rate; no result or checkpoint is written for this run"
+            "NaN/Inf and lower the learning rate (with --precision fp16 and a non-private run: an fp16 overflow, "
+            "lower --loss-scale or use bf16); no result or checkpoint is written for this run"
         )
 
     def run(self) -> dict:
@@ -266,7 +319,7 @@ class Trainer:
                     _log(config, f"stopping at step {self.step}: one more step would exceed epsilon={config.epsilon}")
                     break
                 batch = self._batch(indices)
-                loss_sum += self.variant.gradient(self.model, batch, self.step)
+                loss_sum += self._gradient(batch)
                 examples += indices.numel()
                 self.optimizer.step()
                 self.variant.after_step(self.model)
@@ -279,6 +332,8 @@ class Trainer:
             seconds = time.perf_counter() - start
             self.train_seconds += seconds
             self.epoch += 1
+            if self.distributed is not None:
+                self.distributed.check_in_sync(self.model, self.epoch)
             self._check_finite_parameters()
             record = {
                 "epoch": self.epoch,
@@ -290,10 +345,10 @@ class Trainer:
             }
             self.history.append(record)
             _log(config, self._format(record))
-            if config.checkpoint:
+            if config.checkpoint and self.is_main:
                 self.save_checkpoint(config.checkpoint)
         result = self.result(stopped_early=budget < self.total_steps)
-        if config.out:
+        if config.out and self.is_main:
             Path(config.out).parent.mkdir(parents=True, exist_ok=True)
             Path(config.out).write_text(json.dumps(result, indent=2))
         return result
@@ -368,7 +423,7 @@ class Trainer:
 
     def _identity(self) -> dict:
         c = self.config
-        return {
+        identity = {
             "variant": c.variant,
             "dataset": c.dataset,
             "model": c.model,
@@ -380,6 +435,12 @@ class Trainer:
             "clip_norm": c.clip_norm if self.private else None,
             "shuffle": isinstance(self.sampler, ShuffleSampler),
         }
+        if self._world_size() > 1:  # data-parallel: a resume must use as many processes
+            identity["world_size"] = self._world_size()
+        return identity
+
+    def _world_size(self) -> int:
+        return 1 if self.distributed is None else self.distributed.world_size
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Atomic write (temporary file, then rename): a crash never leaves a half-written checkpoint."""
@@ -403,20 +464,10 @@ class Trainer:
         os.replace(tmp, path)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"checkpoint {path} does not exist; run once without --resume to create it")
-        try:
-            state = torch.load(path, map_location=self.device, weights_only=True)  # no code from the file
-        except Exception as exc:  # noqa: BLE001 - any load failure means a corrupt or foreign file
-            raise ValueError(f"checkpoint {path} is corrupt or not a fastdp checkpoint ({exc})") from exc
-        if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"checkpoint {path} is not a fastdp checkpoint of version {CHECKPOINT_VERSION}")
-        if state["identity"] != self._identity():
-            raise ValueError(
-                f"checkpoint {path} was written by a different run: {state['identity']} vs this run's "
-                f"{self._identity()}; resume with the same settings (epochs may grow)"
-            )
+        if self.distributed is None:
+            state = self._read_checkpoint(path, self.device)
+        else:  # rank 0 (the one that writes checkpoints) reads and sends it; its error is raised on every rank
+            state = self.distributed.from_main(lambda: self._read_checkpoint(path, torch.device("cpu")))
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.accountant.load_state_dict(state["accountant"])
@@ -424,6 +475,32 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.history, self.train_seconds = state["history"], state["train_seconds"]
+
+    def _read_checkpoint(self, path: str | os.PathLike, map_location: torch.device) -> dict:
+        """The checkpoint at ``path``, checked to be one this run may resume from."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist; run once without --resume to create it")
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)  # no code from the file
+        except Exception as exc:  # noqa: BLE001 - any load failure means a corrupt or foreign file
+            raise ValueError(f"checkpoint {path} is corrupt or not a fastdp checkpoint ({exc})") from exc
+        if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"checkpoint {path} is not a fastdp checkpoint of version {CHECKPOINT_VERSION}")
+        saved_world = state["identity"].get("world_size", 1)
+        if saved_world != self._world_size():
+            raise ValueError(
+                f"checkpoint {path} was written by a run on {saved_world} process(es), but this run has "
+                f"{self._world_size()}: the number of processes cannot change on resume (each rank's shard, padding "
+                f"and summation order depend on it, so the resumed run would not continue the same computation); "
+                f"resume with --nproc {saved_world}" + ("" if saved_world > 1 else " (or without --nproc)")
+            )
+        if state["identity"] != self._identity():
+            raise ValueError(
+                f"checkpoint {path} was written by a different run: {state['identity']} vs this run's "
+                f"{self._identity()}; resume with the same settings (epochs may grow)"
+            )
+        return state
 
 
 class _NoProgress:
