@@ -10,35 +10,20 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
-from fastdp.algorithms import DPSGD, JL, BackpropClip, Batch, Clipless, NonPrivate, WeightClip
+from fastdp.algorithms import DPSGD, Batch
 from fastdp.algorithms.base import COMPILE_BACKENDS, COMPILE_MODES, check_compile
-from fastdp.train.models import build_model
 from fastdp.train.trainer import TrainConfig, Trainer
+from tests.variants import VARIANT_NAMES, make_variant, small_model
 
 N, FEATURES, CLASSES = 1000, 6, 3
 
 
 def _variant(name: str):
-    q = 64 / N
-    return {
-        "dpsgd": lambda: DPSGD(1.0, 1.0, q, N, seed=7),
-        "dpsgd-reference": lambda: DPSGD(1.0, 1.0, q, N, seed=7, mode="reference"),
-        "dpsgd-per-layer": lambda: DPSGD([0.5, 0.7, 0.9], 1.0, q, N, seed=7),
-        "jl": lambda: JL(1.0, 1.0, q, N, projections=3, seed=7),
-        "clipless": lambda: Clipless(1.0, q, N, seed=7),
-        "weightclip": lambda: WeightClip(1.0, q, N, seed=7),
-        "backprop": lambda: BackpropClip(1.0, 1.0, 1.0, q, N, seed=7),
-        "nonprivate": NonPrivate,
-    }[name]()
+    return make_variant(name, 64, N)
 
 
 def _model(name: str, device: str = "cpu") -> nn.Module:
-    torch.manual_seed(0)
-    if name in ("clipless", "weightclip"):
-        kind = "lipschitz_mlp" if name == "clipless" else "weightclip_mlp"
-        return build_model(kind, (FEATURES,), CLASSES, hidden=8, input_bound=4.0).to(device)
-    return nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(),
-                         nn.Linear(8, CLASSES)).to(device)  # fmt: skip
+    return small_model(name, FEATURES, CLASSES, hidden=8).to(device)
 
 
 def _micro_batches(step: int, device: str = "cpu", size: int = 16, count: int = 2) -> list[Batch]:
@@ -73,10 +58,6 @@ def _steps(name: str, compiled: bool, steps: int = 3, backend: str = "aot_eager"
         optimizer.step()
         variant.after_step(model)
     return out
-
-
-VARIANT_NAMES = ["dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "clipless", "weightclip", "backprop",
-                 "nonprivate"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)

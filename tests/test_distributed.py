@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastdp.algorithms import DPSGD, JL, BackpropClip, Batch, Clipless, NonPrivate, WeightClip
+from fastdp.algorithms import DPSGD, Batch
 from fastdp.privacy.sampling import micro_batches
 from fastdp.train.cli import _without_nproc, main
 from fastdp.train.distributed import DataParallel
-from fastdp.train.models import build_model
 from fastdp.train.trainer import TrainConfig, Trainer
+from tests.variants import make_variant, small_model
 
 WORLD = 2
 N, FEATURES, CLASSES, ROWS = 20_000, 12, 3, 96
@@ -40,24 +40,11 @@ SIGMA, Q, NOISE_N = 2.0, 0.1, 10_000  # the noise scenario: std sigma * C / (q N
 
 
 def _variant(name: str, secure: bool = False):
-    q = 200 / N
-    return {
-        "dpsgd": lambda: DPSGD(1.0, 1.0, q, N, seed=7, secure=secure),
-        "dpsgd-reference": lambda: DPSGD(1.0, 1.0, q, N, seed=7, mode="reference"),
-        "jl": lambda: JL(1.0, 1.0, q, N, projections=3, seed=7),
-        "clipless": lambda: Clipless(1.0, q, N, seed=7),
-        "weightclip": lambda: WeightClip(1.0, q, N, seed=7),
-        "backprop": lambda: BackpropClip(1.0, 1.0, 1.0, q, N, seed=7),
-        "nonprivate": NonPrivate,
-    }[name]()
+    return make_variant(name, 200, N, secure=secure)
 
 
 def _model(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    if name in ("clipless", "weightclip"):
-        kind = "lipschitz_mlp" if name == "clipless" else "weightclip_mlp"
-        return build_model(kind, (FEATURES,), CLASSES, hidden=16, input_bound=4.0)
-    return nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+    return small_model(name, FEATURES, CLASSES)
 
 
 def _batch(rows: int) -> Batch:

@@ -7,34 +7,20 @@ import pytest
 import torch
 from torch import nn
 
-from fastdp.algorithms import DPSGD, JL, BackpropClip, Batch, Clipless, NonPrivate, WeightClip
+from fastdp.algorithms import DPSGD, Batch
 from fastdp.privacy.sampling import micro_batches, pad_batch
-from fastdp.train.models import build_model
 from fastdp.train.trainer import TrainConfig, Trainer
+from tests.variants import VARIANT_NAMES, make_variant, small_model
 
 N, FEATURES, CLASSES = 60_000, 12, 3
 
 
 def _variant(name: str):
-    q = 4096 / N
-    return {
-        "dpsgd": lambda: DPSGD(1.0, 1.0, q, N, seed=7),
-        "dpsgd-reference": lambda: DPSGD(1.0, 1.0, q, N, seed=7, mode="reference"),
-        "dpsgd-per-layer": lambda: DPSGD([0.5, 0.7, 0.9], 1.0, q, N, seed=7),
-        "jl": lambda: JL(1.0, 1.0, q, N, projections=3, seed=7),
-        "clipless": lambda: Clipless(1.0, q, N, seed=7),
-        "weightclip": lambda: WeightClip(1.0, q, N, seed=7),
-        "backprop": lambda: BackpropClip(1.0, 1.0, 1.0, q, N, seed=7),
-        "nonprivate": NonPrivate,
-    }[name]()
+    return make_variant(name, 4096, N)
 
 
 def _model(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    if name in ("clipless", "weightclip"):
-        kind = "lipschitz_mlp" if name == "clipless" else "weightclip_mlp"
-        return build_model(kind, (FEATURES,), CLASSES, hidden=16, input_bound=4.0)
-    return nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+    return small_model(name, FEATURES, CLASSES)
 
 
 def _logical_batch(size: int) -> Batch:
@@ -46,10 +32,6 @@ def _logical_batch(size: int) -> Batch:
 def _split(batch: Batch, size: int) -> list[Batch]:
     rows = torch.arange(batch.x.shape[0])
     return [Batch(batch.x[i], batch.y[i], batch.mask[i] & m) for i, m in micro_batches(rows, batch.mask, size)]
-
-
-VARIANT_NAMES = ["dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "clipless", "weightclip", "backprop",
-                 "nonprivate"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", VARIANT_NAMES)

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-__all__ = ["PoissonSampler", "ShuffleSampler", "micro_batches", "pad_batch", "physical_batch_size"]
+__all__ = ["PoissonSampler", "Sampler", "ShuffleSampler", "micro_batches", "pad_batch", "physical_batch_size"]
 
 
 def _check_count(num_examples: int) -> None:
@@ -25,7 +25,23 @@ def _check_count(num_examples: int) -> None:
         raise ValueError(f"the data set must have at least one example, got {num_examples}")
 
 
-class PoissonSampler:
+class Sampler:
+    """An epoch of ``steps_per_epoch`` batches, each from :meth:`sample` (sorted int64 indices)."""
+
+    steps_per_epoch: int
+
+    def sample(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __iter__(self):
+        for _ in range(self.steps_per_epoch):
+            yield self.sample()
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+
+class PoissonSampler(Sampler):
     """Index batches of a data set of ``num_examples`` under Poisson sampling with rate ``sample_rate``.
 
     One epoch is ``steps_per_epoch`` steps (default ``round(1 / q)``, so an epoch sees N
@@ -67,13 +83,6 @@ class PoissonSampler:
         included = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64) < self.sample_rate
         return torch.nonzero(included).reshape(-1)
 
-    def __iter__(self):
-        for _ in range(self.steps_per_epoch):
-            yield self.sample()
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
     def state_dict(self) -> dict:
         return {"kind": "poisson", "generator": self.generator.get_state()}
 
@@ -83,7 +92,7 @@ class PoissonSampler:
         self.generator.set_state(state["generator"])
 
 
-class ShuffleSampler:
+class ShuffleSampler(Sampler):
     """Fixed-size batches from a fresh permutation each epoch (the last partial batch is dropped).
 
     Not what the accountants analyse: an epsilon reported for a run with this sampler
@@ -112,13 +121,6 @@ class ShuffleSampler:
             order = torch.randperm(self.num_examples, generator=self.generator)
             self._pending = list(order[: self.steps_per_epoch * self.batch_size].split(self.batch_size))[::-1]
         return self._pending.pop().sort().values
-
-    def __iter__(self):
-        for _ in range(self.steps_per_epoch):
-            yield self.sample()
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
 
     def state_dict(self) -> dict:
         return {"kind": "shuffle", "generator": self.generator.get_state(), "pending": list(self._pending)}

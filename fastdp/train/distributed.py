@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from fastdp.algorithms.base import Batch, Variant, trainable_parameters
+from fastdp.privacy.sampling import Sampler
 
 __all__ = ["DataParallel", "launch", "launched_by_torchrun", "process_group", "software_fingerprint", "tensor_digest"]
 
@@ -303,7 +304,7 @@ class DataParallel:
         return value
 
 
-class _MainRankSampler:
+class _MainRankSampler(Sampler):
     """A sampler whose every sample rank 0 draws and broadcasts (secure mode: OS-entropy draws differ per process)."""
 
     def __init__(self, sampler, parallel: DataParallel) -> None:
@@ -320,13 +321,6 @@ class _MainRankSampler:
 
     def sample(self) -> torch.Tensor:
         return self.parallel.broadcast_indices(self.sampler.sample() if self.parallel.is_main else None)
-
-    def __iter__(self):
-        for _ in range(self.steps_per_epoch):
-            yield self.sample()
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
