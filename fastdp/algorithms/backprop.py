@@ -26,7 +26,7 @@ from fastdp.algorithms.base import (
     summed_loss_gradients,
     trainable_parameters,
 )
-from fastdp.nn.backprop import convert_backprop, parameter_sensitivities
+from fastdp.nn.backprop import check_backprop_supported, convert_backprop, parameter_sensitivities
 from fastdp.privacy.accounting import zcdp_rho, zcdp_to_epsilon
 
 
@@ -52,6 +52,9 @@ class BackpropClip(Variant):
         loss_fn=per_example_cross_entropy,
     ) -> None:
         super().__init__(loss_fn)
+        for what, value in (("input clip C1", input_clip), ("gradient clip C2", grad_clip)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"backprop clipping: {what} must be finite and > 0, got {value}")
         if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
             raise ValueError(f"noise multiplier must be finite and >= 0, got {noise_multiplier}")
         if not 0 < sample_rate <= 1:
@@ -77,6 +80,7 @@ class BackpropClip(Variant):
 
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         self.prepare(model)
+        check_backprop_supported(model)  # every step: train/eval mode and requires_grad can change after convert
         return summed_loss_gradients(model, self.loss_fn, batch, self._forward)
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:

@@ -33,13 +33,24 @@ computed exactly as in fp32 training, so ||c_i a_i^T g_i|| <= C up to fp32 round
 (relative ~1e-7, the same caveat as fp32 training). What rounding changes is which gradient gets clipped, i.e. the
 accuracy, not the bound (tests/test_precision.py: each example's contribution <= C (1 + 1e-5) under bf16 and fp16,
 adversarial inputs included; its norm is close to, not equal to, the fp32 per-example gradient's from torch.func).
-Under low precision an example whose norm is not finite in some layer (an overflow in its forward or backward,
-common in fp16) contributes exactly zero: its factor and its rows of A and G are zeroed before the sums. That is a
-per-example operation like clipping, so the sum stays finite and the bound holds without skipping the step (a
-skip would itself reveal, unnoised, that some example overflowed). Such examples are counted in
-``nonfinite_examples`` (reported by ``describe``). fp16 scales the summed loss by a fixed power of two S before the
-backward: the squared norms are divided by S^2 and the factors by S in fp32, both exact. The reference mode
-(``torch.func`` per-example gradients) is fp32 only: torch.func's vmap fails on the autocast backward of LayerNorm.
+fp16 scales the summed loss by a fixed power of two S before the backward: the squared norms are divided by S^2 and
+the factors by S in fp32, both exact. The reference mode (``torch.func`` per-example gradients) is fp32 only:
+torch.func's vmap fails on the autocast backward of LayerNorm.
+
+Non-finite examples under bf16/fp16: an example whose squared norm (or loss) is not finite in some layer (an
+overflow in its forward or backward, common in fp16; NaN/Inf in its input) contributes exactly zero: its factor is
+set to 0 and the NaN/Inf entries of A and G to 0 before the sums, and its loss is left out of the summed loss. That
+is a per-example operation like clipping (the decision reads that example alone), so the sum stays finite, every
+example's contribution is its clipped gradient or zero (norm <= C either way), and the step is released and
+accounted as usual. Refusing or skipping the step instead would reveal, unnoised, that some example of the batch was
+non-finite. Such examples are counted in ``nonfinite_examples`` (reported by ``describe``: a count over the private
+data, not noised, so a diagnostic for the data owner, not something to publish with the model).
+
+In fp32 (both modes) there is no such step: it costs an elementwise pass over every layer's A and G, measured at
++10-18% of the step time of the mlp-256 benchmark on CPU (README, "Bad input and faults"), and in fp32 a non-finite
+example comes only from non-finite data (the trainer refuses it when the data set is loaded) or a diverged model. Its
+NaN reaches the sum and the weights, and the trainer stops the run at the end of the epoch (FloatingPointError, no
+record, checkpoint, result or epsilon), as for the other variants.
 """
 
 from __future__ import annotations
@@ -58,7 +69,7 @@ from fastdp.algorithms.base import (
     sum_dtype,
     trainable_parameters,
 )
-from fastdp.nn import DPLayer, GhostClipping, check_supported, convert
+from fastdp.nn import DPLayer, GhostClipping, UnsupportedLayerError, batch_statistics_layers, check_supported, convert
 from fastdp.ops import clip_factors
 from fastdp.privacy.accounting import per_layer_noise_multiplier
 
@@ -92,6 +103,19 @@ def dp_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, DPLayer) and m.dp_parameters()]
 
 
+def _check_per_layer(model: torch.nn.Module, clip_norm: float | Sequence[float]) -> list[torch.nn.Module]:
+    """The DP layers of ``model`` (:func:`dp_layers`); per-layer clipping: refuse a count of clip norms that is not
+    one per layer."""
+    layers = dp_layers(model)
+    if not isinstance(clip_norm, (int, float)) and len(layers) != len(clip_norm):
+        raise ValueError(
+            f"per-layer clipping: {len(clip_norm)} clip norms for {len(layers)} DP layers with trainable "
+            "parameters; give one per layer, in model.modules() order (DP layers are fastdp.nn layers: "
+            "fastdp.nn.convert(model) makes them, as the ghost mode does)"
+        )
+    return layers
+
+
 def _factors(sq_norms: torch.Tensor, clip_norm: float | Sequence[float]) -> torch.Tensor:
     """Clip factors [L, B] from per-layer squared norms [L, B]: one global bound, or one per layer."""
     if isinstance(clip_norm, (int, float)):
@@ -101,19 +125,17 @@ def _factors(sq_norms: torch.Tensor, clip_norm: float | Sequence[float]) -> torc
     return (bounds / (sq_norms.sqrt() + NORM_EPS)).clamp(max=1.0)
 
 
-def _zero_rows(value, keep: torch.Tensor):
-    """``value`` (a tensor, or a list/tuple of them) with the rows (dim 0) of the examples not in ``keep`` [B] set to
-    0; integer tensors (token ids) are returned as they are."""
+def _finite_entries(value):
+    """``value`` (a tensor, or a list/tuple of them) with its NaN and +-Inf entries replaced by 0; integer tensors
+    (token ids) are returned as they are. With its clip factor set to 0, an example dropped as not finite then
+    contributes exactly 0 (0 times finite entries); the rows of the examples kept are all finite (their norms are),
+    so they are unchanged. One elementwise pass (``nan_to_num``: several times cheaper on CPU than a row-masked
+    ``torch.where``)."""
     if isinstance(value, (list, tuple)):
-        return type(value)(_zero_rows(v, keep) for v in value)
+        return type(value)(_finite_entries(v) for v in value)
     if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
         return value
-    if value.dim() == 0 or value.shape[0] != keep.shape[0]:
-        raise ValueError(
-            f"a DP layer kept a tensor of shape {tuple(value.shape)} for the clipped sum of {keep.shape[0]} examples; "
-            "non-finite examples can only be left out of batch-first tensors (one row per example)"
-        )
-    return torch.where(keep.reshape(-1, *([1] * (value.dim() - 1))), value, 0)
+    return torch.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def ghost_clipped_gradient_sum(
@@ -173,7 +195,7 @@ def _ghost_clipped_gradient_sum(
             "freeze them or use DPSGD(mode='reference')"
         )
     if not isinstance(clip_norm, (int, float)):
-        order = {id(m): i for i, m in enumerate(dp_layers(model))}
+        order = {id(m): i for i, m in enumerate(_check_per_layer(model, clip_norm))}
         clip_norm = [clip_norm[order[id(layer)]] for layer in layers]
     # the layers' hooks collect G (of loss_scale times the loss); parameters were detached, so no .grad is touched
     (losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum()).backward()
@@ -215,12 +237,12 @@ def _clip_and_sum(
         sq_norms = sq_norms / (loss_scale * loss_scale)  # exact in fp32: a power of two
     factors = _factors(sq_norms, clip_norm) * (mask.to(sq_norms.dtype) * (scale / loss_scale))
     dropped = None
-    if finite_only:  # an example whose norm is not finite in some layer contributes 0 (its rows of A, G zeroed)
-        keep = torch.isfinite(sq_norms).all(0)
+    if finite_only:  # an example whose norm (or loss) is not finite contributes 0: factor 0, finite entries
+        keep = torch.isfinite(sq_norms).all(0) & torch.isfinite(losses)
         dropped = (mask & ~keep).sum()
         factors = torch.where(keep, factors, 0)
-        saved, grads_out, losses = _zero_rows(saved, keep), _zero_rows(grads_out, keep), torch.where(keep, losses, 0)
-        caches = [{k: _zero_rows(v, keep) for k, v in cache.items()} for cache in caches]
+        saved, grads_out, losses = _finite_entries(saved), _finite_entries(grads_out), torch.where(keep, losses, 0)
+        caches = [{k: _finite_entries(v) for k, v in cache.items()} for cache in caches]
     sums = [layer.clipped_grad_sums(a, g, c, cache)
             for layer, a, g, c, cache in zip(layers, saved, grads_out, factors, caches, strict=True)]  # fmt: skip
     return sums, losses.sum(), dropped
@@ -235,7 +257,15 @@ def clipped_gradient_sum(
     forward=None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Same as :func:`ghost_clipped_gradient_sum` from ``torch.func`` per-example gradients (reference; fp32:
-    ``DPSGD`` refuses low precision in this mode)."""
+    ``DPSGD`` refuses low precision in this mode). Any module, except layers with batch statistics in training mode
+    (refused: they make one example's gradient depend on the others)."""
+    mixing = batch_statistics_layers(model)
+    if mixing:
+        raise UnsupportedLayerError(
+            "DPSGD(mode='reference') takes each example's gradient alone, but these layers use batch statistics in "
+            "training mode, so one example changes every example's gradient: " + ", ".join(mixing) + ". Use "
+            "GroupNorm or LayerNorm, or put them in eval mode with public statistics."
+        )
     params = trainable_parameters(model)
     if batch.x.shape[0] == 0:
         return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
@@ -244,7 +274,7 @@ def clipped_gradient_sum(
         groups = [list(range(len(params)))]
     else:  # one group per DP layer
         index = {id(p): i for i, p in enumerate(params)}
-        groups = [[index[id(p)] for p in layer.dp_parameters()] for layer in dp_layers(model)]
+        groups = [[index[id(p)] for p in layer.dp_parameters()] for layer in _check_per_layer(model, clip_norm)]
     sq_norms = torch.stack([sum(per_example[i].reshape(per_example[i].shape[0], -1).pow(2).sum(1) for i in group)
                             for group in groups])  # fmt: skip
     factors = _factors(sq_norms, clip_norm) * (batch.mask.to(sq_norms.dtype) * scale)
@@ -311,12 +341,7 @@ class DPSGD(Variant):
         """Noise std per trainable parameter tensor (``params``, in ``trainable_parameters`` order; on the sum)."""
         if isinstance(self.clip_norm, float):
             return [self.noise_multiplier * self.clip_norm] * len(params)
-        layers = dp_layers(model)
-        if len(layers) != len(self.clip_norm):
-            raise ValueError(
-                f"per-layer clipping: {len(self.clip_norm)} clip norms for {len(layers)} DP layers with trainable "
-                "parameters; give one per layer, in model.modules() order"
-            )
+        layers = _check_per_layer(model, self.clip_norm)
         scale = self.noise_multiplier * math.sqrt(len(layers))
         std_of = {id(p): scale * c for layer, c in zip(layers, self.clip_norm, strict=True)
                   for p in layer.dp_parameters()}  # fmt: skip
@@ -329,6 +354,7 @@ class DPSGD(Variant):
         scale = 1.0 / self.expected_batch_size
         if self.mode == "reference":
             return clipped_gradient_sum(model, self.loss_fn, batch, self.clip_norm, scale, self._forward)
+        # bf16/fp16: a non-finite example contributes zero (module docstring, "Non-finite examples")
         sums, loss, dropped = _ghost_clipped_gradient_sum(model, self.loss_fn, batch, self.clip_norm, scale,
                                                           self._forward, self.loss_scale,
                                                           finite_only=self.precision != "fp32")  # fmt: skip

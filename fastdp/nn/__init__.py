@@ -28,6 +28,7 @@ __all__ = [
     "Linear",
     "UnsupportedLayerError",
     "active_context",
+    "batch_statistics_layers",
     "check_supported",
     "convert",
 ]
@@ -91,6 +92,14 @@ def check_supported(model: nn.Module) -> None:
             + ", ".join(mixing)
             + ". Use GroupNorm or LayerNorm, or put them in eval mode with public statistics."
         )
+
+
+def batch_statistics_layers(model: nn.Module) -> list[str]:
+    """'name (Type)' of every layer of ``model`` that normalises with batch statistics in training mode (BatchNorm,
+    InstanceNorm): one example then changes every example's output, so no per-example bound holds, whether the
+    layer trains or not."""
+    return [f"{name or '<model>'} ({type(m).__name__})" for name, m in model.named_modules()
+            if isinstance(m, _MIXING) and m.training]  # fmt: skip
 
 
 def convert(model: nn.Module) -> nn.Module:

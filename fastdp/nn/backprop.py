@@ -19,9 +19,11 @@ import math
 import torch
 from torch import nn
 
+from fastdp.nn import UnsupportedLayerError, batch_statistics_layers
 from fastdp.nn.clip import clip_gradient, clip_rows
 
-__all__ = ["BackpropClipConv2d", "BackpropClipLinear", "convert_backprop", "parameter_sensitivities"]
+__all__ = ["BackpropClipConv2d", "BackpropClipLinear", "check_backprop_supported", "convert_backprop",
+           "parameter_sensitivities"]  # fmt: skip
 
 
 class _BackpropClip:
@@ -71,7 +73,8 @@ _SWAP = {nn.Linear: BackpropClipLinear, nn.Conv2d: BackpropClipConv2d}
 
 def convert_backprop(model: nn.Module, input_clip: float, grad_clip: float) -> nn.Module:
     """Make every Linear/Conv2d of ``model`` clip its inputs to ``input_clip`` and its upstream gradients to
-    ``grad_clip`` (in place; parameters kept). Raises ValueError naming trainable modules of other types."""
+    ``grad_clip`` (in place; parameters kept). Raises :class:`fastdp.nn.UnsupportedLayerError` (a ValueError) naming
+    trainable modules of other types and batch-statistics layers (:func:`check_backprop_supported`)."""
     for name, value in (("input clip C1", input_clip), ("gradient clip C2", grad_clip)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"backprop clipping: {name} must be finite and > 0, got {value}")
@@ -81,16 +84,32 @@ def convert_backprop(model: nn.Module, input_clip: float, grad_clip: float) -> n
             module.__class__ = cls
         if isinstance(module, _BackpropClip):
             module.input_clip, module.grad_clip = float(input_clip), float(grad_clip)
+    check_backprop_supported(model)
+    return model
+
+
+def check_backprop_supported(model: nn.Module) -> None:
+    """Raise :class:`fastdp.nn.UnsupportedLayerError` naming every module that breaks the per-example bounds of a
+    converted model: trainable modules that are not backprop-clip layers (nothing clips their gradient), and layers
+    with batch statistics in training mode (one example changes the others' activations and gradients, so clipping
+    each example's input and upstream gradient bounds nothing). A walk over the modules; BackpropClip calls it every
+    step (train/eval mode and ``requires_grad`` can change after the conversion)."""
     bad = [
         f"{name or '<model>'} ({type(m).__name__})"
         for name, m in model.named_modules()
         if not isinstance(m, _BackpropClip) and any(p.requires_grad for p in m.parameters(recurse=False))
     ]
     if bad:
-        raise ValueError(
+        raise UnsupportedLayerError(
             "backprop clipping supports trainable Linear and Conv2d layers only; freeze or replace: " + ", ".join(bad)
         )
-    return model
+    mixing = batch_statistics_layers(model)
+    if mixing:
+        raise UnsupportedLayerError(
+            "backprop clipping bounds each example's own input and upstream gradient, but these layers use batch "
+            "statistics in training mode, so one example changes every example's: " + ", ".join(mixing) + ". Use "
+            "GroupNorm or LayerNorm, or put them in eval mode with public statistics."
+        )
 
 
 def parameter_sensitivities(model: nn.Module) -> dict[nn.Parameter, float]:

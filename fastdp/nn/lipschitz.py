@@ -441,14 +441,32 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return [model]
 
 
+_RULES = (
+    "fastdp.nn.lipschitz: BoundedInput, LipschitzLinear, LipschitzConv2d, AddBias, GroupSort2, L2NormPool2d, "
+    "LayerCentering, Transpose, Residual, ClipGradient; plus Flatten, Identity, ReLU"
+)
+
+
 def _check(layer: nn.Module) -> None:
     if isinstance(layer, (LipschitzModule, nn.Sequential, *_PARAMETER_FREE_OK)):
         return
     raise ValueError(
         f"{type(layer).__name__} has no Lipschitz bound rule; clipless training needs every layer to have one "
-        "(fastdp.nn.lipschitz: BoundedInput, LipschitzLinear, LipschitzConv2d, AddBias, GroupSort2, L2NormPool2d, "
-        "LayerCentering, Transpose, Residual, ClipGradient; plus Flatten, Identity, ReLU)"
+        f"({_RULES})"
     )
+
+
+def _unsupported(model: nn.Module, path: str = "") -> list[str]:
+    """'name (Type)' of every layer in the chain :func:`lipschitz_bounds` walks (nested Sequentials included) that
+    has no bound rule, so one error can list them all."""
+    if isinstance(model, nn.Sequential):
+        found = []
+        for name, layer in model.named_children():
+            found += _unsupported(layer, f"{path}.{name}" if path else name)
+        return found
+    if isinstance(model, (LipschitzModule, *_PARAMETER_FREE_OK)):
+        return []
+    return [f"{path or '<model>'} ({type(model).__name__})"]
 
 
 _UNBOUNDED = (
@@ -504,6 +522,12 @@ def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float =
     parametrised layer). Non-finite weights give non-finite tensor bounds: checking them is the caller's (the
     trainer checks the parameters once per epoch).
     """
+    unsupported = _unsupported(model)
+    if unsupported:
+        raise ValueError(
+            "these layers have no Lipschitz bound rule, so clipless/weightclip training cannot bound their per-example "
+            f"gradients: {', '.join(unsupported)}. Every layer needs one ({_RULES})"
+        )
     _bounds_pass.memo = {}
     try:
         sensitivities, _ = _backward_bounds(model, _forward_bounds(model, float(input_bound)), loss.lipschitz)

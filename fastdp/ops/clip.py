@@ -47,6 +47,14 @@ __all__ = ["clip_gradient", "clip_rows"]
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def _finite(x) -> bool:
+    """math.isfinite, False for an int too large for a float (where math.isfinite raises OverflowError)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------------- checks
 
 
@@ -56,7 +64,7 @@ def _check_args(op: str, bound, norm) -> None:
                          "(conv tensors [B, C, ...]: L2 over channels of the L1 over positions)")  # fmt: skip
     if isinstance(bound, bool) or not isinstance(bound, (int, float)):
         raise TypeError(f"fastdp {op}: bound must be a float, got {type(bound).__name__}")
-    if not (math.isfinite(bound) and bound > 0):
+    if not (_finite(bound) and bound > 0):
         raise ValueError(f"fastdp {op}: bound is {bound}; it must be finite and > 0")
 
 

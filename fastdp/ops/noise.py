@@ -25,7 +25,8 @@ attacks: use it for experiments, and secure mode for releasing a model.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -36,7 +37,9 @@ from fastdp.ref import noise as ref
 __all__ = ["add_noise_", "noisy_sgd_step_"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPES = (*_KERNEL_DTYPES, torch.float64)
 SECURE_DRAWS = 4
+_EXACT_OVERLAP_ELEMENTS = 1 << 20
 
 
 def _kernel(backend: str):
@@ -63,7 +66,7 @@ def _check(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], stds: 
         for t, x in enumerate(tensors):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"fastdp noise: {name}[{t}] is a {type(x).__name__}, expected a torch.Tensor")
-            if not x.dtype.is_floating_point:
+            if x.dtype not in _DTYPES:  # float8 and other floating dtypes have no kernel or reference rounding
                 raise TypeError(
                     f"fastdp noise: {name}[{t}] has dtype {x.dtype}; noise needs a floating-point tensor "
                     "(float32, float16, bfloat16 or float64)"
@@ -73,13 +76,14 @@ def _check(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], stds: 
                     f"fastdp noise: {name}[{t}] is on {x.device} but grads[0] is on {grads[0].device}; "
                     "move all tensors to one device"
                 )
-            if x.numel() and x.data_ptr() in seen:
+            if x.device.type == "meta" or not x.numel():
+                continue  # meta tensors have no memory (every data_ptr is 0)
+            if x.data_ptr() in seen:
                 raise ValueError(
                     f"fastdp noise: {name}[{t}] shares memory with an earlier tensor; each tensor must "
                     "appear once (it would get noise twice)"
                 )
-            if x.numel():
-                seen.add(x.data_ptr())
+            seen.add(x.data_ptr())
     for t, (p, g) in enumerate(zip(params, grads, strict=False)):
         if p.shape != g.shape or p.dtype != g.dtype:
             raise ValueError(
@@ -93,6 +97,54 @@ def _check_seed(seed: int, offset: int) -> None:
         raise ValueError(f"fastdp noise: seed and offset must be in [0, 2**63), got {seed} and {offset}")
 
 
+def _addresses(x: torch.Tensor) -> torch.Tensor:
+    """The byte addresses of every element of x (int64, with repeats for an overlapping view)."""
+    index = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(x.shape, x.stride(), strict=True):
+        index = index.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    first = x.data_ptr() + index.reshape(-1, 1) * x.element_size()
+    return (first + torch.arange(x.element_size(), dtype=torch.int64)).reshape(-1)
+
+
+def _check_memory(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+    """Refuse tensors whose elements share memory: a written tensor that overlaps itself (an expanded view,
+    stride 0) or any two tensors of the lists that overlap (a partial view of another, not only the same
+    tensor twice). Each element would get several draws or several updates. Address ranges first; the exact
+    element addresses only where two ranges intersect (interleaved views such as x[::2] and x[1::2] pass)."""
+    written = params if params else grads
+    spans = []
+    for name, tensors in (("grads", grads), ("params", params)):
+        for t, x in enumerate(tensors):
+            numel = x.numel()
+            if not numel or x.is_meta:
+                continue
+            if x.is_contiguous():  # the common case: no stride to inspect
+                extent = numel
+            else:
+                shape, strides = x.shape, x.stride()
+                if tensors is written and any(n > 1 and s == 0 for n, s in zip(shape, strides, strict=True)):
+                    raise ValueError(
+                        f"fastdp noise: {name}[{t}] is an expanded view (a stride of 0): its elements share memory "
+                        f"and would get noise several times; pass {name}[{t}].clone() or a tensor that owns its memory"
+                    )
+                extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+            lo = x.data_ptr()
+            spans.append((lo, lo + extent * x.element_size(), name, t, x))
+    spans.sort(key=lambda span: span[0])
+    active: list[tuple] = []
+    for lo, hi, name, t, x in spans:
+        active = [span for span in active if span[1] > lo]  # spans that reach past this one's start
+        for _, _, other_name, other_t, other in active:
+            # Beyond _EXACT_OVERLAP_ELEMENTS the address lists would cost too much: intersecting ranges are refused.
+            small = x.numel() + other.numel() <= _EXACT_OVERLAP_ELEMENTS
+            if not small or bool(torch.isin(_addresses(x), _addresses(other)).any()):
+                raise ValueError(
+                    f"fastdp noise: {name}[{t}] overlaps {other_name}[{other_t}] in memory; each element must "
+                    "appear once (it would get noise twice): pass tensors that do not share memory"
+                )
+        active.append((lo, hi, name, t, x))
+
+
 def _apply(
     grads: list[torch.Tensor],
     params: list[torch.Tensor],
@@ -104,6 +156,7 @@ def _apply(
 ) -> None:
     """Validate, then run the selected backend per dtype on contiguous buffers."""
     _check(grads, params, stds)
+    _check_memory(grads, params)
     _check_seed(seed, offset)
     if num_draws not in (1, SECURE_DRAWS):
         raise ValueError(f"fastdp noise: num_draws must be 1 or {SECURE_DRAWS}, got {num_draws}")
@@ -139,6 +192,12 @@ def _(grads, stds, seed, offset, num_draws):
     return None
 
 
+def _check_step_lists(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """The fused step needs one grad per param (an empty params list would noise the grads in place instead)."""
+    if len(params) != len(grads):
+        raise ValueError(f"fastdp noise: {len(params)} params but {len(grads)} grads; pass one grad per param")
+
+
 @torch.library.custom_op("fastdp::noisy_sgd_step_", mutates_args=("params",))
 def _noisy_sgd_step_op(
     params: list[torch.Tensor],
@@ -149,6 +208,7 @@ def _noisy_sgd_step_op(
     offset: int,
     num_draws: int,
 ) -> None:
+    _check_step_lists(params, grads)
     _apply(grads, params, stds, seed, offset, num_draws, step)
 
 
@@ -157,9 +217,21 @@ def _(params, grads, stds, step, seed, offset, num_draws):
     return None
 
 
+def _real(value, what: str) -> float:
+    """value as a float; TypeError for anything but a real number (bool, str, None, complex, a tensor)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"fastdp noise: {what} must be a real number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf  # an int too large for a float: refused by the finiteness checks, which name it
+
+
 def _as_list(tensors, name: str) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor):
         return [tensors]
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
+        raise TypeError(f"fastdp noise: {name} must be a tensor or a list of tensors, got {type(tensors).__name__}")
     tensors = list(tensors)
     for t, x in enumerate(tensors):
         if not isinstance(x, torch.Tensor):
@@ -167,25 +239,42 @@ def _as_list(tensors, name: str) -> list[torch.Tensor]:
     return tensors
 
 
+def _one_std(value: float) -> list[float]:
+    """A std for every tensor, checked here: with no tensors, _check would not see it."""
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"fastdp noise: stds is {value}; stds must be finite and >= 0")
+    return [value]
+
+
 def _as_stds(stds, count: int) -> list[float]:
     if isinstance(stds, torch.Tensor):
         if stds.dim() > 1:
             raise ValueError(f"fastdp noise: stds must be a scalar or a 1-D tensor, got shape {tuple(stds.shape)}")
-        stds = stds.detach().cpu().double().reshape(-1).tolist() if stds.dim() else float(stds)
-    if isinstance(stds, (int, float)):
-        return [float(stds)] * count
-    return [float(s) for s in stds]
+        if stds.dtype.is_complex or stds.dtype == torch.bool:
+            raise TypeError(f"fastdp noise: stds has dtype {stds.dtype}; pass real numbers (a float tensor)")
+        if stds.device.type == "meta":
+            raise ValueError("fastdp noise: stds is a meta tensor (it has no values); pass floats or a real tensor")
+        values = stds.detach().cpu().double().reshape(-1).tolist()
+        return _one_std(values[0]) * count if stds.dim() == 0 else values
+    if isinstance(stds, numbers.Real) and not isinstance(stds, bool):
+        return _one_std(_real(stds, "stds")) * count
+    if isinstance(stds, (str, bytes)) or not isinstance(stds, Iterable):
+        raise TypeError(f"fastdp noise: stds must be a float, a list of floats or a tensor, got {type(stds).__name__}")
+    return [_real(s, f"stds[{t}]") for t, s in enumerate(stds)]
 
 
 def _seed_offset(seed: int | None, offset: int, secure: bool) -> tuple[int, int, int]:
+    if not isinstance(secure, bool):
+        raise TypeError(f"fastdp noise: secure must be a bool, got {type(secure).__name__}")
     if secure:
-        if seed is not None:
+        if seed is not None or not (isinstance(offset, int) and offset == 0):
             raise ValueError(
-                "fastdp noise: secure=True draws its own seed from the OS entropy source; do not pass a seed"
+                "fastdp noise: secure=True draws its own seed and offset from the OS entropy source; do not pass "
+                "a seed or an offset"
             )
         return os_entropy_seed(), os_entropy_seed(), SECURE_DRAWS
     for name, value in (("seed", seed), ("offset", offset)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if (value is not None or name == "offset") and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"fastdp noise: {name} must be an int, got {type(value).__name__}")
     seed = os_entropy_seed() if seed is None else seed
     _check_seed(seed, offset)
@@ -204,11 +293,14 @@ def add_noise_(
 
     Args:
         grads: tensors (float32/16, bfloat16, float64; any layout) on one device,
-            usually the sums of clipped per-example gradients.
-        stds: one std per tensor (noise on the sum: sigma_t * Delta_t), or one for all.
+            usually the sums of clipped per-example gradients. No element may appear twice:
+            expanded (stride-0) views and tensors that overlap another in memory are refused.
+        stds: one std per tensor (noise on the sum: sigma_t * Delta_t), or one for all;
+            real numbers (not bool), finite and >= 0.
         seed: key of the noise stream in [0, 2**63); ``None`` draws one from OS entropy.
         offset: counter in [0, 2**63); use a new one per step (e.g. the step index).
-        secure: OS-entropy seed and offset, 4-draw sum (see the module docstring).
+        secure: OS-entropy seed and offset, 4-draw sum (see the module docstring); pass
+            neither a seed nor an offset with it.
     """
     grads = _as_list(grads, "grads")
     stds = _as_stds(stds, len(grads))
@@ -236,11 +328,18 @@ def noisy_sgd_step_(
 
     ``scale`` is the divisor that turns the noisy sum into a mean: the expected batch
     size q*N under Poisson sampling (1.0 if ``grads`` are already means and ``stds``
-    were scaled to match). Other arguments as in :func:`add_noise_`.
+    were scaled to match). ``lr`` and ``scale`` are real numbers (not bool, not tensors),
+    finite, ``scale > 0`` and ``lr / scale`` finite. One grad per param, of its shape and
+    dtype; the params are written, so they follow the rules for ``grads`` of :func:`add_noise_`
+    (read-only grads may be expanded views). Other arguments as in :func:`add_noise_`.
     """
     params, grads = _as_list(params, "params"), _as_list(grads, "grads")
+    _check_step_lists(params, grads)
+    lr, scale = _real(lr, "lr"), _real(scale, "scale")
     if not (math.isfinite(lr) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"fastdp noise: lr must be finite and scale finite and > 0, got lr={lr}, scale={scale}")
+    if not math.isfinite(lr / scale):
+        raise ValueError(f"fastdp noise: lr / scale ({lr} / {scale}) overflows; use a smaller lr or a larger scale")
     stds = _as_stds(stds, len(grads))
     seed, offset, num_draws = _seed_offset(seed, offset, secure)
     if _backend.eager(params + grads):

@@ -36,6 +36,14 @@ _CLIP_DTYPES = (torch.float32, torch.float64)
 CPU_GEMM_MAX_SEQ = 64
 
 
+def _finite(x) -> bool:
+    """math.isfinite, False for an int too large for a float (where math.isfinite raises OverflowError)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _check_ghost(a: torch.Tensor, g: torch.Tensor) -> None:
     """Refuse what the kernels cannot do, saying what to do instead."""
     for name, x in (("a", a), ("g", g)):
@@ -73,7 +81,7 @@ def _check_clip(sq_norms: torch.Tensor, clip_norm: float) -> None:
         raise TypeError(f"fastdp clip_factors: sq_norms has dtype {sq_norms.dtype}; expected float32 or float64")
     if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)):
         raise TypeError(f"fastdp clip_factors: clip_norm must be a float, got {type(clip_norm).__name__}")
-    if not (math.isfinite(clip_norm) and clip_norm > 0):
+    if not (_finite(clip_norm) and clip_norm > 0):
         raise ValueError(f"fastdp clip_factors: clip_norm is {clip_norm}; it must be finite and > 0")
 
 

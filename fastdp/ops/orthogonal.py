@@ -47,10 +47,18 @@ __all__ = [
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _finite(x) -> bool:
+    """math.isfinite, False for an int too large for a float (where math.isfinite raises OverflowError)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _check_beta(op: str, beta) -> None:
     if isinstance(beta, bool) or not isinstance(beta, (int, float)):
         raise TypeError(f"fastdp {op}: beta must be a float, got {type(beta).__name__}")
-    if not (math.isfinite(beta) and 0 < beta <= 1):
+    if not (_finite(beta) and 0 < beta <= 1):
         raise ValueError(f"fastdp {op}: beta is {beta}; expected 0 < beta <= 1 (deel-lip uses 0.5)")
 
 
@@ -69,7 +77,8 @@ def _bjorck_op(weights: list[torch.Tensor], iters: int, beta: float) -> list[tor
                 return _ext._C.bjorck_cuda([w.contiguous() for w in ws], iters, beta)
 
         else:
-            return ref.bjorck_orthonormalize(list(weights), iters, beta)
+            # Contiguous inputs: the reference keeps a view's strides, the op returns contiguous matrices (fake kernel).
+            return ref.bjorck_orthonormalize([w.contiguous() for w in weights], iters, beta)
         # One batched kernel call over every kernel-dtype matrix; float64 ones run the reference.
         batched = [i for i, w in enumerate(weights) if w.dtype in _KERNEL_DTYPES]
         out: list[torch.Tensor | None] = [None] * len(weights)
@@ -78,7 +87,8 @@ def _bjorck_op(weights: list[torch.Tensor], iters: int, beta: float) -> list[tor
                 out[i] = o
         rest = [i for i, w in enumerate(weights) if w.dtype not in _KERNEL_DTYPES]
         if rest:
-            for i, o in zip(rest, ref.bjorck_orthonormalize([weights[i] for i in rest], iters, beta), strict=True):
+            rest_out = ref.bjorck_orthonormalize([weights[i].contiguous() for i in rest], iters, beta)
+            for i, o in zip(rest, rest_out, strict=True):
                 out[i] = o
         return out
 
@@ -161,7 +171,7 @@ def spectral_normalize_and_orthonormalize(
     spectral_ops._check_matrices(op, weights)
     spectral_ops._check_iters(op, "power_iters", power_iters)
     spectral_ops._check_iters(op, "bjorck_iters", bjorck_iters)
-    scaled, us = _spectral_scale(list(weights), None if vectors is None else list(vectors), power_iters)
+    scaled, us = _spectral_scale(list(weights), vectors, power_iters)
     return bjorck_orthonormalize(scaled, bjorck_iters), us
 
 
@@ -171,6 +181,8 @@ def conv_lip_factor(kernel_size, input_hw, stride=(1, 1)) -> float:
     stride 1: ``sqrt(H W / ((kh H - a (a + 1)) (kw W - b (b + 1))))`` with a = (kh - 1)/2,
     b = (kw - 1)/2; stride > 1: ``sqrt(1 / (ceil(kh / sh) ceil(kw / sw)))``.
     ``kernel_size``, ``input_hw`` = (H, W) and ``stride`` are ints or pairs of positive ints.
+    The stride-1 formula counts the kernel taps that fall inside the input, and is exact only for
+    H >= (kh - 1) / 2 and W >= (kw - 1) / 2: smaller inputs are refused (ValueError).
     """
     op = "conv_lip_factor"
     pairs = [spectral_ops._pair(op, n, v) for n, v in (("kernel_size", kernel_size), ("input_hw", input_hw),
@@ -178,13 +190,26 @@ def conv_lip_factor(kernel_size, input_hw, stride=(1, 1)) -> float:
     for name, pair in zip(("kernel_size", "input_hw", "stride"), pairs, strict=True):
         if min(pair) < 1:
             raise ValueError(f"fastdp {op}: {name} is {pair}; expected positive ints")
+    (kh, kw), (h, w), (sh, sw) = pairs
+    if sh * sw == 1 and (2 * h < kh - 1 or 2 * w < kw - 1):
+        # The stride-1 formula counts the kernel taps inside the input; it is exact only for H >= (kh - 1) / 2.
+        raise ValueError(
+            f"fastdp {op}: input_hw {pairs[1]} is smaller than half the kernel {pairs[0]}; deel-lip's stride-1 "
+            "factor needs H >= (kh - 1) / 2 and W >= (kw - 1) / 2"
+        )
     return ref.conv_lip_factor(*pairs)
 
 
 def _check_conv_kernel(op: str, name: str, conv_weight) -> None:
-    if not isinstance(conv_weight, torch.Tensor) or conv_weight.dim() != 4 or conv_weight.numel() == 0:
-        shape = tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__
+    if not isinstance(conv_weight, torch.Tensor):
+        raise TypeError(f"fastdp {op}: {name} is a {type(conv_weight).__name__}, expected a torch.Tensor")
+    if conv_weight.dim() != 4 or conv_weight.numel() == 0:
+        shape = tuple(conv_weight.shape)
         raise ValueError(f"fastdp {op}: {name} is {shape}; expected a non-empty kernel [C_out, C_in, kh, kw]")
+    if conv_weight.dtype not in spectral_ops._FLOAT_DTYPES:
+        raise TypeError(
+            f"fastdp {op}: {name} has dtype {conv_weight.dtype}; expected float32, float16, bfloat16 or float64"
+        )
 
 
 def _rko_scale(
@@ -194,7 +219,8 @@ def _rko_scale(
     coefs = [conv_lip_factor(tuple(k.shape[2:]), hw, st) for k, hw, st in zip(conv_weights, input_hws, strides,
                                                                                strict=True)]  # fmt: skip
     matrices = [k.detach().reshape(k.shape[0], -1) for k in conv_weights]
-    bounds = spectral_ops.certified_spectral_norms(matrices)  # checks dtype and finiteness
+    with spectral_ops.deferred_finite_checks():  # the callers checked the kernels, naming them
+        bounds = spectral_ops.certified_spectral_norms(matrices)
     scaled, finish = [], []
     for matrix, k, coef, b in zip(matrices, conv_weights, coefs, bounds, strict=True):
         bound = b.to(ref.accumulation_dtype(k.dtype))  # exact: each bound is computed in this dtype
@@ -221,6 +247,7 @@ def rko_orthonormalize(
     op = "rko_orthonormalize"
     _check_conv_kernel(op, "conv_weight", conv_weight)
     spectral_ops._check_iters(op, "iters", iters)
+    spectral_ops._check_finite(op, [conv_weight], "conv_weight")
     (scaled,), ((coef, bound_dtype),) = _rko_scale([conv_weight], [input_hw], [stride])
     ortho = bjorck_orthonormalize([scaled], iters)[0]
     return _rko_finish(ortho, coef, bound_dtype, conv_weight)
@@ -255,6 +282,11 @@ def lipschitz_projection(
         dtypes of the inputs.
     """
     op = "lipschitz_projection"
+    lists = {"dense_weights": dense_weights, "conv_weights": conv_weights, "conv_input_hws": conv_input_hws,
+             "conv_strides": conv_strides}  # fmt: skip
+    for name, value in lists.items():
+        if (value is not None or name == "dense_weights") and not isinstance(value, (list, tuple)):
+            raise TypeError(f"fastdp {op}: {name} must be a list, got {type(value).__name__}")
     dense_weights = list(dense_weights)
     conv_weights = list(conv_weights or [])
     conv_input_hws = list(conv_input_hws or [])
@@ -270,13 +302,22 @@ def lipschitz_projection(
         _check_conv_kernel(op, f"conv_weights[{i}]", k)
     if dense_weights:
         spectral_ops._check_matrices(op, dense_weights)
-        dense_scaled, us = _spectral_scale(dense_weights, None if dense_vectors is None else list(dense_vectors),
-                                           power_iters)  # fmt: skip
-    else:
-        dense_scaled, us = [], []
-    conv_scaled, finish = _rko_scale(conv_weights, conv_input_hws, conv_strides) if conv_weights else ([], [])
-    matrices = dense_scaled + conv_scaled
-    ortho = bjorck_orthonormalize(matrices, iters) if matrices else []
+    if dense_vectors is not None:
+        spectral_ops._check_vectors(op, dense_weights, dense_vectors)
+    devices = list(dict.fromkeys(str(t.device) for t in dense_weights + conv_weights))
+    if len(devices) > 1:
+        raise ValueError(f"fastdp {op}: the weights are on {', '.join(devices)}; put them all on one device")
+    # One finiteness check (one synchronisation) naming the list at fault; the inner calls skip theirs.
+    spectral_ops._check_finite(op, dense_weights, "dense_weights", ("dense_vectors", list(dense_vectors or [])),
+                               ("conv_weights", conv_weights))  # fmt: skip
+    with spectral_ops.deferred_finite_checks():
+        if dense_weights:
+            dense_scaled, us = _spectral_scale(dense_weights, dense_vectors, power_iters)
+        else:
+            dense_scaled, us = [], []
+        conv_scaled, finish = _rko_scale(conv_weights, conv_input_hws, conv_strides) if conv_weights else ([], [])
+        matrices = dense_scaled + conv_scaled
+        ortho = bjorck_orthonormalize(matrices, iters) if matrices else []
     dense_out = ortho[: len(dense_scaled)]
     conv_out = [
         _rko_finish(o, coef, bound_dtype, k)

@@ -10,9 +10,11 @@ These ops take data, not graph nodes: no autograd formula, inputs are detached (
 constraint they serve is a projection applied after the optimiser step).
 
 Input checks: every matrix is 2-D, non-empty, floating point; lists are non-empty; iteration
-counts are >= 1; values are finite. The finiteness check costs one device synchronisation
-per call; set ``fastdp.ops.spectral.CHECK_FINITE = False`` to skip it (non-finite weights
-then give NaN estimates).
+counts are in [1, 2**31) (Gram iterations: [1, 1023]); values (weights and warm-start vectors) are
+finite (meta tensors carry no values: shape-only calls skip this check). The finiteness check costs
+one device synchronisation per call; set ``fastdp.ops.spectral.CHECK_FINITE = False`` to skip it
+(non-finite weights then give NaN estimates). An all-zero warm-start vector (what a zero matrix
+returns) means a cold start.
 
 Backends: ``fastdp._backend.select("spectral", device)``; ``triton`` runs
 ``fastdp.kernels.spectral`` (one launch over all layers); ``cuda`` runs
@@ -45,11 +47,17 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_iters(op: str, name: str, iters) -> None:
+MAX_ITERS = 2**31 - 1  # the CUDA kernels count steps in 32-bit ints
+MAX_GRAM_ITERS = 1023  # the certified bound weighs step k by 2**-k: 2.0**1024 overflows a float64
+
+
+def _check_iters(op: str, name: str, iters, most: int = MAX_ITERS) -> None:
     if isinstance(iters, bool) or not isinstance(iters, int):
         raise TypeError(f"fastdp {op}: {name} must be an int, got {type(iters).__name__}")
     if iters < 1:
         raise ValueError(f"fastdp {op}: {name} is {iters}; it must be >= 1 (a fixed number of steps)")
+    if iters > most:
+        raise ValueError(f"fastdp {op}: {name} is {iters}; it must be <= {most}")
 
 
 def _check_matrix(op: str, name: str, w) -> None:
@@ -95,13 +103,22 @@ def deferred_finite_checks():
         _deferred.on = previous
 
 
-def _check_finite(op: str, tensors: list[torch.Tensor], what: str) -> None:
-    if not CHECK_FINITE or not tensors or getattr(_deferred, "on", False):
+def _check_finite(op: str, tensors: list[torch.Tensor], what: str, *more: tuple[str, list[torch.Tensor]]) -> None:
+    """Refuse NaN/Inf in ``tensors`` (named ``what``) and in each further (name, tensors) group, with one host
+    synchronisation for all of them. Meta tensors have no values to check (shape-only calls run on them)."""
+    if not CHECK_FINITE or getattr(_deferred, "on", False):
         return
-    finite = torch.stack([torch.isfinite(t).all() for t in tensors])
+    groups = [(what, tensors), *more]
+    index = [(name, i, t) for name, group in groups for i, t in enumerate(group) if t.device.type != "meta"]
+    if not index:
+        return
+    finite = torch.stack([torch.isfinite(t).all().to(index[0][2].device) for _, _, t in index])
     if not bool(finite.all()):
-        bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
-        raise ValueError(f"fastdp {op}: {what} {bad} contain NaN or Inf; power iteration needs finite values")
+        flags = finite.tolist()
+        for name, _ in groups:
+            bad = [i for (n, i, _), ok in zip(index, flags, strict=True) if n == name and not ok]
+            if bad:
+                raise ValueError(f"fastdp {op}: {name} {bad} contain NaN or Inf; power iteration needs finite values")
 
 
 def _check_vectors(op: str, weights, vectors) -> None:
@@ -112,6 +129,11 @@ def _check_vectors(op: str, weights, vectors) -> None:
     for i, (w, u) in enumerate(zip(weights, vectors, strict=True)):
         if not isinstance(u, torch.Tensor):
             raise TypeError(f"fastdp {op}: vectors[{i}] is a {type(u).__name__}, expected a torch.Tensor")
+        if u.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"fastdp {op}: vectors[{i}] has dtype {u.dtype}; expected a real floating-point vector (float32, "
+                "float16, bfloat16 or float64: the u returned by the previous call)"
+            )
         if u.numel() != w.shape[1]:
             raise ValueError(
                 f"fastdp {op}: vectors[{i}] has {u.numel()} elements but weights[{i}] has {w.shape[1]} "
@@ -119,6 +141,14 @@ def _check_vectors(op: str, weights, vectors) -> None:
             )
         if u.device != w.device:
             raise ValueError(f"fastdp {op}: vectors[{i}] is on {u.device} but weights[{i}] on {w.device}")
+
+
+def _warm_start(u: torch.Tensor) -> torch.Tensor:
+    """u, or the cold start ``ref.default_start`` where u is all zeros: power iteration returns zero vectors for a
+    zero matrix, and a zero start has no direction (the estimate would stay 0 whatever the matrix becomes, and a
+    projection dividing by it would blow up). Decided on the device: no host synchronisation."""
+    cold = ref.default_start(u.numel(), u.dtype, u.device).reshape(u.shape)
+    return torch.where((u != 0).any(), u, cold)
 
 
 def _out_dtype(weights) -> torch.dtype:
@@ -169,7 +199,7 @@ def power_iteration(
         weights: non-empty list of 2-D matrices (float32, float16, bfloat16 or float64, one device).
         vectors: warm-start right vectors u_l [n_l] (any scale; normalised first), e.g. the
             ``u`` list of the previous call; None starts from ``fastdp.ref.spectral.default_start``
-            (normalised ones plus a small deterministic perturbation).
+            (normalised ones plus a small deterministic perturbation), and so does an all-zero vector.
         iters: number of steps, >= 1.
 
     Returns:
@@ -181,11 +211,12 @@ def power_iteration(
     _check_iters(op, "iters", iters)
     weights = [w.detach() for w in weights]
     if vectors is None:
+        _check_finite(op, weights, "weights")
         vectors = [ref.default_start(w.shape[1], ref.accumulation_dtype(w.dtype), w.device) for w in weights]
     else:
         _check_vectors(op, weights, vectors)
-        vectors = [u.detach().reshape(-1) for u in vectors]
-    _check_finite(op, weights, "weights")
+        _check_finite(op, weights, "weights", ("vectors", list(vectors)))
+        vectors = [_warm_start(u.detach().reshape(-1)) for u in vectors]
     return torch.ops.fastdp.power_iteration(weights, vectors, iters)
 
 
@@ -206,7 +237,7 @@ def certified_spectral_norm(w: torch.Tensor, iters: int = 6) -> torch.Tensor:
     """
     op = "certified_spectral_norm"
     _check_matrix(op, "w", w)
-    _check_iters(op, "iters", iters)
+    _check_iters(op, "iters", iters, MAX_GRAM_ITERS)
     _check_finite(op, [w], "w")
     with torch.no_grad():
         return ref.certified_spectral_norm(w.detach(), iters)
@@ -216,14 +247,19 @@ def certified_spectral_norms(weights: list[torch.Tensor], iters: int = 6) -> tor
     """``certified_spectral_norm`` of each matrix of a non-empty list: [L], float32 (float64 if any is float64)."""
     op = "certified_spectral_norms"
     _check_matrices(op, weights)
-    _check_iters(op, "iters", iters)
+    _check_iters(op, "iters", iters, MAX_GRAM_ITERS)
     _check_finite(op, list(weights), "weights")
     with torch.no_grad():
         return ref.certified_spectral_norms([w.detach() for w in weights], iters)
 
 
 def _pair(op: str, name: str, value) -> tuple[int, int]:
-    pair = (value, value) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        pair = (value, value)
+    elif isinstance(value, (tuple, list)):
+        pair = tuple(value)
+    else:
+        pair = ()
     if len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair):
         raise ValueError(f"fastdp {op}: {name} is {value!r}; expected an int or a pair of ints")
     return pair
@@ -260,14 +296,28 @@ def conv_operator_norm(
         float32 (float64 for float64 weights).
     """
     op = "conv_operator_norm"
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 4:
-        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"fastdp {op}: weight is {shape}; expected a conv2d kernel [C_out, C_in/groups, kh, kw]")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"fastdp {op}: weight is a {type(weight).__name__}, expected a torch.Tensor (a conv2d kernel)")
+    if weight.dim() != 4 or weight.numel() == 0:
+        raise ValueError(
+            f"fastdp {op}: weight is {tuple(weight.shape)}; expected a non-empty conv2d kernel [C_out, C_in/groups, "
+            "kh, kw]"
+        )
     if weight.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"fastdp {op}: weight has dtype {weight.dtype}; expected a floating dtype")
-    input_shape = tuple(int(s) for s in input_shape)
-    if len(input_shape) != 3 or min(input_shape) < 1:
-        raise ValueError(f"fastdp {op}: input_shape is {input_shape}; expected (C_in, H, W) of one example")
+    if not (
+        isinstance(input_shape, (tuple, list, torch.Size))
+        and len(input_shape) == 3
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in input_shape)
+    ):
+        raise ValueError(f"fastdp {op}: input_shape is {input_shape!r}; expected (C_in, H, W) of one example (ints)")
+    input_shape = tuple(input_shape)
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise TypeError(f"fastdp {op}: groups must be an int, got {type(groups).__name__}")
+    if groups < 1 or weight.shape[0] % groups:
+        raise ValueError(
+            f"fastdp {op}: groups is {groups}; expected an int >= 1 that divides C_out = {weight.shape[0]}"
+        )
     if input_shape[0] != weight.shape[1] * groups:
         raise ValueError(
             f"fastdp {op}: input_shape has {input_shape[0]} channels but the kernel expects "
@@ -275,14 +325,26 @@ def conv_operator_norm(
         )
     stride, padding, dilation = (_pair(op, n, v) for n, v in (("stride", stride), ("padding", padding),
                                                                ("dilation", dilation)))  # fmt: skip
+    for name, pair, least in (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)):
+        if min(pair) < least:
+            raise ValueError(f"fastdp {op}: {name} is {pair}; expected ints >= {least}")
     out_hw = ref.conv_output_shape(input_shape, weight.shape, stride, padding, dilation)
     if min(out_hw) < 1:
-        raise ValueError(f"fastdp {op}: the convolution of an input {input_shape} has an empty output {out_hw}")
+        raise ValueError(
+            f"fastdp {op}: input_shape {input_shape} gives an empty output {out_hw} with kernel "
+            f"{tuple(weight.shape[2:])}, stride {stride}, padding {padding} and dilation {dilation}; use a larger "
+            "input or more padding"
+        )
     _check_iters(op, "iters", iters)
+    _check_finite(op, [weight], "weight")
     if vector is not None:
         if not isinstance(vector, torch.Tensor) or vector.numel() != input_shape[0] * input_shape[1] * input_shape[2]:
             raise ValueError(f"fastdp {op}: vector must be a tensor of shape {input_shape} (the previous vector)")
-        vector = vector.detach()
-    _check_finite(op, [weight], "weight")
+        if vector.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"fastdp {op}: vector has dtype {vector.dtype}; expected a real floating-point tensor")
+        if vector.device != weight.device:
+            raise ValueError(f"fastdp {op}: vector is on {vector.device} but weight on {weight.device}; use one device")
+        _check_finite(op, [vector], "vector")
+        vector = _warm_start(vector.detach())
     with torch.no_grad():
         return ref.conv_operator_norm(weight.detach(), input_shape, stride, padding, dilation, groups, iters, vector)

@@ -91,8 +91,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="virtual batches: run each logical batch as micro-batches of this many rows (padded), summed "
                         "and released once; peak memory follows this size, not --batch-size")  # fmt: skip
     g.add_argument("--secure", action="store_true",
-                   help="draw noise and batches from the OS entropy source (floating-point-attack-resistant "
-                        "noise); runs cannot be replayed")  # fmt: skip
+                   help="for releasing a model: every privacy draw (noise, Poisson sampling, JL tangents) from the OS "
+                        "entropy source, noise resistant to floating-point attacks (4-draw sum); runs cannot be "
+                        "replayed; the split and initialisation stay seeded by --seed; not with --shuffle")  # fmt: skip
     g = parser.add_argument_group("precision and compilation")
     g.add_argument("--precision", default=d.precision, choices=["fp32", "bf16", "fp16"],
                    help="autocast the model's forward (and so its backward) to bf16/fp16; per-example norms, clip "
@@ -110,7 +111,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-backend", default=d.compile_backend, choices=["inductor", "aot_eager", "eager"],
                    help="torch.compile backend (default: %(default)s)")  # fmt: skip
     g = parser.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of split, init, sampling and noise (default: 0)")
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of split, init, sampling and noise (with --secure: of split and init only; "
+                        "default: 0)")  # fmt: skip
     g.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
     g.add_argument("--checkpoint", default=None, help="checkpoint file written after every epoch")
     g.add_argument("--resume", action="store_true", help="continue from --checkpoint (same settings; more epochs ok)")
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  done: {config.variant} epsilon={config.epsilon}", flush=True)
         print(format_table(results))
         return 0
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, FloatingPointError) as exc:
         where = f" (rank {os.environ['RANK']})" if launched_by_torchrun() else ""
         print(f"fastdp: error{where}: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ any code that never occurs (German credit lacks A47 and A95, hence 61 features, 
 from __future__ import annotations
 
 import gzip
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,78 @@ class Dataset:
     input_shape: tuple[int, ...]  # (d,) for tabular, (1, H, W) for images
     task: str  # "binary" or "multiclass"
     source: str  # human-readable provenance
+
+    def __post_init__(self) -> None:
+        """Refuse a split that training cannot use soundly: an empty split, NaN/Inf features, labels that are not
+        int64 class indices in [0, num_classes), or rows that do not match (see ``docs/bad-inputs.md``)."""
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 2:
+            raise ValueError(f"{self.name}: num_classes must be an integer >= 2, got {self.num_classes!r}")
+        for split, x, y in (("training", self.x_train, self.y_train), ("test", self.x_test, self.y_test)):
+            if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2):
+                raise ValueError(f"{self.name}: the {split} features must be a floating-point tensor [rows, *shape]")
+            if x.shape[0] == 0:
+                raise ValueError(
+                    f"{self.name}: the {split} split has 0 rows; training needs at least one training and one test "
+                    "row (check the data file, and test_fraction)"
+                )
+            if tuple(x.shape[1:]) != tuple(self.input_shape):
+                raise ValueError(f"{self.name}: {split} features have shape {tuple(x.shape[1:])} per row, but "
+                                 f"input_shape is {tuple(self.input_shape)}")  # fmt: skip
+            if not (isinstance(y, torch.Tensor) and y.dtype == torch.int64 and y.shape == x.shape[:1]):
+                got = f"{y.dtype} {tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__
+                raise ValueError(f"{self.name}: the {split} labels must be an int64 vector of {x.shape[0]} class "
+                                 f"indices, got {got}")  # fmt: skip
+            rows = ~torch.isfinite(x.reshape(x.shape[0], -1)).all(1).cpu()
+            if bool(rows.any()):
+                raise ValueError(_bad_rows_message(self.name, f"{split} rows", rows.numpy(), "NaN or Inf features",
+                                                   _NONFINITE_HINT))  # fmt: skip
+            rows = ((y < 0) | (y >= self.num_classes)).cpu()
+            if bool(rows.any()):
+                raise ValueError(_bad_rows_message(self.name, f"{split} rows", rows.numpy(),
+                                                   f"labels outside [0, {self.num_classes})", _LABEL_HINT,
+                                                   y.cpu().numpy()))  # fmt: skip
+
+
+_NONFINITE_HINT = (
+    "remove or impute them before training (fastdp imputes nothing: one non-finite feature makes that example's "
+    "gradient, and with most variants the whole step's, non-finite)"
+)
+_LABEL_HINT = "labels must be class indices 0..num_classes-1 (cross-entropy indexes the logits with them)"
+
+
+def _bad_rows_message(name: str, what: str, bad: np.ndarray, problem: str, hint: str, values=None) -> str:
+    """'<name>: k of the n <what> have <problem> (first: row i[, value v]); <hint>'."""
+    first = int(np.flatnonzero(bad)[0])
+    value = "" if values is None else f", value {np.asarray(values)[first].item()!r}"
+    return f"{name}: {int(bad.sum())} of the {bad.size} {what} have {problem} (first: row {first}{value}); {hint}"
+
+
+def _check_raw(name: str, x: np.ndarray, y, num_classes: int) -> np.ndarray:
+    """``y`` as int64 class indices, after refusing what a reader returned that training cannot use: no rows, rows
+    of x and y that do not match, NaN/Inf features, labels that are NaN, non-integer or outside [0, num_classes).
+    Rows are counted in file order."""
+    if x.ndim < 1 or x.shape[0] == 0:
+        raise ValueError(f"{name}: the data set has no rows (features of shape {x.shape}); check the data file")
+    if x.ndim < 2 or x[0].size == 0:
+        raise ValueError(f"{name}: features of shape {x.shape}; expected [rows, *shape] with at least one feature")
+    y = np.asarray(y)
+    if y.ndim != 1 or len(y) != len(x):
+        raise ValueError(f"{name}: labels must be a vector of {len(x)} class indices (one per row), got {y.shape}")
+    bad = ~np.isfinite(x.reshape(len(x), -1)).all(1)
+    if bad.any():
+        raise ValueError(_bad_rows_message(name, "rows", bad, "NaN or Inf features", _NONFINITE_HINT))
+    if y.dtype.kind == "b":
+        y = y.astype(np.int64)
+    elif y.dtype.kind == "f":
+        bad = ~np.isfinite(y) | (y != np.round(y))
+        if bad.any():
+            raise ValueError(_bad_rows_message(name, "rows", bad, "a NaN or non-integer label", _LABEL_HINT, y))
+    elif y.dtype.kind not in "iu":
+        raise ValueError(f"{name}: labels must be integer class indices 0..{num_classes - 1}, got dtype {y.dtype}")
+    bad = (y < 0) | (y >= num_classes)
+    if bad.any():
+        raise ValueError(_bad_rows_message(name, "rows", bad, f"labels outside [0, {num_classes})", _LABEL_HINT, y))
+    return y.astype(np.int64)
 
 
 # name -> files it reads, relative to the data directory (empty: bundled with scikit-learn).
@@ -113,8 +186,8 @@ def read_idx(path: str | Path) -> np.ndarray:
 
 def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """ADBench npz: keys X (n, d) and y (n,), y=1 anomaly."""
-    with np.load(path, allow_pickle=False) as f:
-        return np.asarray(f["X"], dtype=np.float64), np.asarray(f["y"]).astype(np.int64)
+    with np.load(path, allow_pickle=False) as f:  # labels as stored: split_and_standardise checks them
+        return np.asarray(f["X"], dtype=np.float64), np.asarray(f["y"])
 
 
 def _read_categorical_table(path: Path, sep: str | None, classes: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -166,12 +239,18 @@ def split_and_standardise(
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    y = np.asarray(y, dtype=np.int64)
-    if y.ndim != 1 or len(y) != len(x) or y.min() < 0 or y.max() >= num_classes:
-        raise ValueError(f"{name}: labels must be a vector of {len(x)} ints in [0, {num_classes}), got {y.shape}")
-    train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=test_fraction, random_state=seed, stratify=y)
-    train_idx, test_idx = np.sort(train_idx), np.sort(test_idx)
     x = np.asarray(x, dtype=np.float64)
+    y = _check_raw(name, x, y, num_classes)
+    n_test = math.ceil(test_fraction * len(y))
+    if len(y) - n_test < 1:
+        raise ValueError(f"{name}: {len(y)} rows at test_fraction={test_fraction} leave 0 training rows "
+                         f"({n_test} test); training needs at least one of each")  # fmt: skip
+    try:
+        train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=test_fraction, random_state=seed,
+                                               stratify=y)  # fmt: skip
+    except ValueError as exc:  # e.g. a class with a single row cannot be stratified
+        raise ValueError(f"{name}: cannot make a stratified train/test split of its {len(y)} rows: {exc}") from exc
+    train_idx, test_idx = np.sort(train_idx), np.sort(test_idx)
     axis = None if image else 0
     mean, std = x[train_idx].mean(axis=axis), x[train_idx].std(axis=axis)
     std = np.where(std > 1e-12 * np.maximum(np.abs(mean), 1.0), std, 1.0)  # constant feature: std 0 up to rounding

@@ -36,6 +36,11 @@ from fastdp.train.distributed import DataParallel, software_fingerprint, tensor_
 from fastdp.train.models import build_model
 
 CHECKPOINT_VERSION = 1
+# what a checkpoint of CHECKPOINT_VERSION holds (save_checkpoint), each checked before anything is loaded
+_CHECKPOINT_FIELDS = {
+    "identity": dict, "step": int, "epoch": int, "model": dict, "optimizer": dict, "accountant": dict,
+    "sampler": dict, "torch_rng": torch.Tensor, "history": list, "train_seconds": float,
+}  # fmt: skip
 # settings that may differ between the processes of one data-parallel run (the rest must match on every rank)
 _PER_RANK_FIELDS = ("device", "out", "progress", "quiet")
 
@@ -94,8 +99,8 @@ class TrainConfig:
             raise ValueError(f"epsilon must be finite and > 0, got {self.epsilon}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError(f"epochs and batch size must be >= 1, got {self.epochs} and {self.batch_size}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"learning rate must be finite and > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= torch.finfo(torch.float32).max):
+            raise ValueError(f"learning rate must be finite and > 0 in float32 (the parameters' dtype), got {self.lr}")
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose sgd or adam")
         if VARIANTS[self.variant].private and self.epsilon is None and self.noise_multiplier is None:
@@ -121,6 +126,12 @@ class TrainConfig:
             check_compile(self.compile, self.compile_backend)
         if self.resume and not self.checkpoint:
             raise ValueError("--resume needs --checkpoint PATH")
+        if self.secure and self.shuffle and VARIANTS[self.variant].private:
+            raise ValueError(
+                "--secure cannot be combined with --shuffle: secure mode draws every privacy-relevant random choice "
+                "from OS entropy and is meant for releasing a model, but shuffled batches come from a seeded "
+                "permutation and have no proven guarantee (the epsilon assumes Poisson sampling); drop --shuffle"
+            )
 
 
 def _log(config: TrainConfig, message: str) -> None:
@@ -136,17 +147,26 @@ def _make_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Dataset, device: torch.device) -> dict:
-    """Test loss, accuracy and (binary tasks) AUROC."""
+    """Test loss, accuracy and (binary tasks) AUROC. FloatingPointError if the model's outputs are not finite
+    (finite weights whose forward overflows float32, e.g. after a diverging learning rate): no metric, record or
+    epsilon is reported for such a model. Deciding on the released weights and the test split is post-processing."""
     model.eval()
     logits = torch.cat([model(x.to(device)).cpu() for x in data.x_test.split(1024)])
     model.train()
+    bad = ~torch.isfinite(logits).all(1)
+    if bool(bad.any()):
+        raise FloatingPointError(
+            f"the model's outputs are not finite on {int(bad.sum())} of the {bad.numel()} test rows of {data.name} "
+            "(finite weights whose forward overflows float32): lower the learning rate; no result or checkpoint is "
+            "written for this run"
+        )
     loss = torch.nn.functional.cross_entropy(logits, data.y_test).item()
     accuracy = (logits.argmax(1) == data.y_test).double().mean().item()
     metrics = {"test_loss": loss, "test_accuracy": accuracy}
     if data.task == "binary" and data.y_test.unique().numel() == 2:
         from sklearn.metrics import roc_auc_score
 
-        scores = (logits[:, 1] - logits[:, 0]).numpy()
+        scores = (logits[:, 1].double() - logits[:, 0].double()).numpy()  # float64: no overflow of the difference
         metrics["test_auroc"] = float(roc_auc_score(data.y_test.numpy(), scores))
     return metrics
 
@@ -160,6 +180,9 @@ class Trainer:
         # data-parallel when a torch.distributed process group is up (fastdp train --nproc N); None: one process
         self.distributed = DataParallel.current()
         self.device = self.distributed.device(config.device) if self.distributed else torch.device(config.device)
+        # The run seed fixes the train/test split and the initial weights (and the global generator, which no
+        # privacy draw uses). Neither is a privacy draw: the guarantee holds for every split and initialisation, as
+        # they do not depend on the training examples. Secure mode keeps them seeded, by design (README "Secure mode").
         torch.manual_seed(config.seed)
         self.data = load_dataset(config.dataset, config.data_dir, seed=config.seed)
         n = self.data.x_train.shape[0]
@@ -229,7 +252,9 @@ class Trainer:
 
     def _make_variant(self) -> Variant:
         config = self.config
-        # Noise seed: from the run seed (reproducible) unless secure, which draws from OS entropy per step.
+        # Noise seed: from the run seed (reproducible) unless secure. In secure mode no draw reads it: the variants'
+        # noise and JL tangents pass secure=True, which takes a fresh key and counter from OS entropy per draw; it
+        # is an OS-entropy value anyway, so nothing derived from the run seed reaches a secure variant.
         noise_seed = os_entropy_seed() if config.secure else (config.seed * 0x9E3779B97F4A7C15 + 1) % 2**63
         return VARIANTS[config.variant].from_config(
             config,
@@ -416,7 +441,10 @@ class Trainer:
                 "and is not a proven guarantee for this run"
             )
         if self.private and c.secure:
-            result["note_secure"] = "secure mode: noise and sampling drawn from OS entropy; the run is not replayable"
+            result["note_secure"] = (
+                "secure mode: noise, Poisson sampling and JL tangents drawn from OS entropy (the run is not "
+                "replayable); the train/test split and the initial weights are seeded, as they are not privacy draws"
+            )
         return result
 
     # ------------------------------------------------------------------------ checkpoints
@@ -468,11 +496,15 @@ class Trainer:
             state = self._read_checkpoint(path, self.device)
         else:  # rank 0 (the one that writes checkpoints) reads and sends it; its error is raised on every rank
             state = self.distributed.from_main(lambda: self._read_checkpoint(path, torch.device("cpu")))
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.accountant.load_state_dict(state["accountant"])
-        self.sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(state["torch_rng"])
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.accountant.load_state_dict(state["accountant"])
+            self.sampler.load_state_dict(state["sampler"])
+            torch.set_rng_state(state["torch_rng"])
+        except (KeyError, RuntimeError, TypeError, ValueError) as exc:  # its parts do not fit this run's objects
+            message = f"checkpoint {path} is corrupt: its saved state does not load into this run ({exc})"
+            raise ValueError(message) from exc
         self.step, self.epoch = state["step"], state["epoch"]
         self.history, self.train_seconds = state["history"], state["train_seconds"]
 
@@ -486,7 +518,17 @@ class Trainer:
         except Exception as exc:  # noqa: BLE001 - any load failure means a corrupt or foreign file
             raise ValueError(f"checkpoint {path} is corrupt or not a fastdp checkpoint ({exc})") from exc
         if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"checkpoint {path} is not a fastdp checkpoint of version {CHECKPOINT_VERSION}")
+            found = f"version {state.get('version')!r}" if isinstance(state, dict) else f"a {type(state).__name__}"
+            raise ValueError(f"checkpoint {path} is not a fastdp checkpoint of version {CHECKPOINT_VERSION} (found "
+                             f"{found}); resume only from a checkpoint this version of fastdp wrote")  # fmt: skip
+        missing = [key for key, kind in _CHECKPOINT_FIELDS.items() if not isinstance(state.get(key), kind)]
+        if missing:
+            raise ValueError(f"checkpoint {path} is corrupt: fields missing or of the wrong type: {', '.join(missing)}")
+        bad = [name for name, t in state["model"].items() if not isinstance(t, torch.Tensor)
+               or (t.is_floating_point() and not bool(torch.isfinite(t).all()))]  # fmt: skip
+        if bad:
+            raise ValueError(f"checkpoint {path} is corrupt: non-finite or non-tensor model entries: {', '.join(bad)} "
+                             "(fastdp never saves a model that is not finite)")  # fmt: skip
         saved_world = state["identity"].get("world_size", 1)
         if saved_world != self._world_size():
             raise ValueError(

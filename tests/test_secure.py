@@ -1,0 +1,126 @@
+"""Secure mode end to end (``--secure``): every privacy draw of a run (noise, Poisson sampling, JL tangents) comes from
+the OS entropy source and never from a seeded generator; two secure runs with one seed release different noise and
+sample different batches; the split and the initialisation stay seeded (not privacy draws)."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import fastdp.ops.noise as noise_module
+from fastdp.algorithms.base import trainable_parameters
+from fastdp.ops.noise import SECURE_DRAWS
+from fastdp.train.trainer import TrainConfig, Trainer
+
+PRIVATE = {
+    "dpsgd": dict(),
+    "jl": dict(accountant="pld", projections=3),
+    "clipless": dict(model="lipschitz_mlp"),
+    "weightclip": dict(model="weightclip_mlp"),
+    "backprop": dict(),
+}
+BASE = dict(dataset="breast_cancer", epochs=1, batch_size=64, lr=0.1, hidden=16, noise_multiplier=1.0, quiet=True,
+            progress=False)  # fmt: skip
+
+
+def _config(variant: str, **overrides) -> TrainConfig:
+    return TrainConfig(**{**BASE, "variant": variant, **PRIVATE[variant], **overrides})
+
+
+def _released_noise(trainer: Trainer) -> list[torch.Tensor]:
+    """The gradient one release puts on zero sums at step 0: pure noise (what the step would publish)."""
+    params = trainable_parameters(trainer.model)
+    trainer.variant.prepare(trainer.model)
+    trainer.variant.release(trainer.model, [torch.zeros_like(p) for p in params], 0)
+    return [p.grad.clone() for p in trainable_parameters(trainer.model)]
+
+
+@pytest.mark.parametrize("variant", list(PRIVATE))
+def test_one_seed_gives_different_noise_and_batches_only_in_secure_mode(variant):
+    for secure in (False, True):
+        a, b = Trainer(_config(variant, secure=secure)), Trainer(_config(variant, secure=secure))
+        for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):  # init: seeded in both modes
+            assert torch.equal(p, q)
+        assert torch.equal(a.data.x_train, b.data.x_train)  # split: seeded in both modes
+        noise_a, noise_b = _released_noise(a), _released_noise(b)
+        same_noise = all(torch.equal(x, y) for x, y in zip(noise_a, noise_b, strict=True))
+        same_batches = all(torch.equal(a.sampler.sample(), b.sampler.sample()) for _ in range(3))
+        assert same_noise == same_batches == (not secure), (variant, secure)
+
+
+class _Forbidden:
+    """Stands in for a seeded generator or a seeded draw function: any use fails the test."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError(f"secure mode used the seeded draw {self.name}")
+
+    def __getattr__(self, attr):
+        raise AssertionError(f"secure mode used the seeded generator {self.name} (.{attr})")
+
+
+_SEEDED_DRAWS = {
+    torch: ("rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson", "rand_like",
+            "randn_like", "randint_like"),
+    torch.Tensor: ("normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_",
+                   "cauchy_"),
+    np.random: ("rand", "randn", "random", "default_rng", "permutation", "choice", "binomial", "normal"),
+    random: ("random", "randrange", "randint", "getrandbits", "shuffle", "sample", "gauss", "normalvariate"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(PRIVATE))
+def test_secure_privacy_draws_come_from_os_urandom_and_never_from_seeded_generators(variant, monkeypatch):
+    trainer = Trainer(_config(variant, secure=True))
+    # the seeded paths raise: torch/numpy/random draw functions, and the sampler's own seeded generator
+    for owner, names in _SEEDED_DRAWS.items():
+        for name in names:
+            monkeypatch.setattr(owner, name, _Forbidden(f"{getattr(owner, '__name__', owner)}.{name}"))
+    trainer.sampler.generator = _Forbidden("PoissonSampler.generator")
+    # the OS entropy source, recorded: os.urandom (the sampler) and random's _urandom, behind secrets.randbits
+    # (every noise key and counter: fastdp.privacy.rng.os_entropy_seed)
+    sampler_bytes, key_bytes = [], []
+    real_urandom, real_random_urandom = os.urandom, random._urandom
+    monkeypatch.setattr(os, "urandom", lambda n: sampler_bytes.append(real_urandom(n)) or sampler_bytes[-1])
+    monkeypatch.setattr(random, "_urandom", lambda n: key_bytes.append(real_random_urandom(n)) or key_bytes[-1])
+    # every noise kernel call (noise and JL tangents), recorded
+    draws = []
+    real_kernel = noise_module._kernel
+
+    def kernel(backend):
+        run = real_kernel(backend)
+
+        def recorded(grads, params, stds, starts, seed, offset, num_draws, step):
+            draws.append((seed, offset, num_draws))
+            return run(grads, params, stds, starts, seed, offset, num_draws, step)
+
+        return recorded
+
+    monkeypatch.setattr(noise_module, "_kernel", kernel)
+    global_state = torch.get_rng_state()
+    result = trainer.run()
+
+    steps = result["steps"]
+    assert steps == len(trainer.sampler) and trainer.accountant.steps == steps
+    # sampling: one os.urandom call of 8 bytes per example per step
+    assert [len(b) for b in sampler_bytes] == [8 * trainer.data.x_train.shape[0]] * steps
+    # noise (and tangents): every kernel call keyed by two 63-bit values read from the OS entropy source, 4-draw sums
+    os_values = {int.from_bytes(b, "big") >> 1 for b in key_bytes if len(b) == 8}  # secrets.randbits(63)
+    assert draws and len(draws) >= steps
+    for seed, offset, num_draws in draws:
+        assert seed in os_values and offset in os_values and num_draws == SECURE_DRAWS
+    assert len({(seed, offset) for seed, offset, _ in draws}) == len(draws)  # never a key twice
+    if variant == "jl":  # r tangents per step on top of the noise, each its own OS-entropy key
+        assert len(draws) >= steps * (1 + PRIVATE["jl"]["projections"])
+    # nothing was drawn from the seeded global generator during training
+    assert torch.equal(torch.get_rng_state(), global_state)
+    assert "OS entropy" in result["note_secure"] and "seeded" in result["note_secure"]
+
+
+def test_secure_mode_refuses_shuffled_batches():
+    with pytest.raises(ValueError, match="--secure cannot be combined with --shuffle"):
+        Trainer(_config("dpsgd", secure=True, shuffle=True))
