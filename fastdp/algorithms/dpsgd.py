@@ -69,7 +69,14 @@ from fastdp.algorithms.base import (
     sum_dtype,
     trainable_parameters,
 )
-from fastdp.nn import DPLayer, GhostClipping, UnsupportedLayerError, batch_statistics_layers, check_supported, convert
+from fastdp.nn import (
+    DPLayer,
+    GhostClipping,
+    batch_statistics_layers,
+    check_supported,
+    convert,
+    refuse_batch_statistics,
+)
 from fastdp.ops import clip_factors
 from fastdp.privacy.accounting import per_layer_noise_multiplier
 
@@ -259,13 +266,9 @@ def clipped_gradient_sum(
     """Same as :func:`ghost_clipped_gradient_sum` from ``torch.func`` per-example gradients (reference; fp32:
     ``DPSGD`` refuses low precision in this mode). Any module, except layers with batch statistics in training mode
     (refused: they make one example's gradient depend on the others)."""
-    mixing = batch_statistics_layers(model)
-    if mixing:
-        raise UnsupportedLayerError(
-            "DPSGD(mode='reference') takes each example's gradient alone, but these layers use batch statistics in "
-            "training mode, so one example changes every example's gradient: " + ", ".join(mixing) + ". Use "
-            "GroupNorm or LayerNorm, or put them in eval mode with public statistics."
-        )
+    refuse_batch_statistics(
+        batch_statistics_layers(model), "DPSGD(mode='reference') takes each example's gradient alone, but "
+    )
     params = trainable_parameters(model)
     if batch.x.shape[0] == 0:
         return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)

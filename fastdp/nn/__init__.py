@@ -29,6 +29,7 @@ __all__ = [
     "UnsupportedLayerError",
     "active_context",
     "batch_statistics_layers",
+    "refuse_batch_statistics",
     "check_supported",
     "convert",
 ]
@@ -86,11 +87,17 @@ def check_supported(model: nn.Module) -> None:
             + f"\nSupported layers: {supported} (torch modules are converted by fastdp.nn.convert). Freeze the "
             "others (requires_grad=False), replace them, or use DPSGD(mode='reference') for arbitrary modules."
         )
-    if mixing:
+    refuse_batch_statistics(mixing)
+
+
+def refuse_batch_statistics(layers: list[str], why: str = "") -> None:
+    """Raise :class:`UnsupportedLayerError` naming ``layers`` (from :func:`batch_statistics_layers`) if any;
+    ``why`` opens the message with what the caller needs that they break."""
+    if layers:
         raise UnsupportedLayerError(
-            "these layers use batch statistics in training mode, so one example changes every example's gradient: "
-            + ", ".join(mixing)
-            + ". Use GroupNorm or LayerNorm, or put them in eval mode with public statistics."
+            why + "these layers use batch statistics in training mode, so one example changes every example's "
+            "gradient: " + ", ".join(layers) + ". Use GroupNorm or LayerNorm, or put them in eval mode with public "
+            "statistics."
         )
 
 

@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from fastdp.nn import UnsupportedLayerError, batch_statistics_layers
+from fastdp.nn import UnsupportedLayerError, batch_statistics_layers, refuse_batch_statistics
 from fastdp.nn.clip import clip_gradient, clip_rows
 
 __all__ = ["BackpropClipConv2d", "BackpropClipLinear", "check_backprop_supported", "convert_backprop",
@@ -103,13 +103,9 @@ def check_backprop_supported(model: nn.Module) -> None:
         raise UnsupportedLayerError(
             "backprop clipping supports trainable Linear and Conv2d layers only; freeze or replace: " + ", ".join(bad)
         )
-    mixing = batch_statistics_layers(model)
-    if mixing:
-        raise UnsupportedLayerError(
-            "backprop clipping bounds each example's own input and upstream gradient, but these layers use batch "
-            "statistics in training mode, so one example changes every example's: " + ", ".join(mixing) + ". Use "
-            "GroupNorm or LayerNorm, or put them in eval mode with public statistics."
-        )
+    refuse_batch_statistics(
+        batch_statistics_layers(model), "backprop clipping bounds each example's own input and upstream gradient, but "
+    )
 
 
 def parameter_sensitivities(model: nn.Module) -> dict[nn.Parameter, float]:
