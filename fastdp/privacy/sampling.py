@@ -11,6 +11,7 @@ and must be given weight 0 (they then contribute nothing to gradients or norms).
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 
@@ -25,13 +26,14 @@ def _check_count(num_examples: int) -> None:
         raise ValueError(f"the data set must have at least one example, got {num_examples}")
 
 
-class Sampler:
+class Sampler(abc.ABC):
     """An epoch of ``steps_per_epoch`` batches, each from :meth:`sample` (sorted int64 indices)."""
 
     steps_per_epoch: int
 
+    @abc.abstractmethod
     def sample(self) -> torch.Tensor:
-        raise NotImplementedError
+        """One batch of example indices."""
 
     def __iter__(self):
         for _ in range(self.steps_per_epoch):
