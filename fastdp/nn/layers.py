@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.nn.ghost import active_context
-from fastdp.ops import ghost_norm_sq
+from fastdp.ops import certified_ghost_norm_sq
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -52,13 +52,30 @@ def _use_ghost(positions: int, out_features: int, in_features: int) -> bool:
     return 2 * positions * positions < out_features * in_features
 
 
+def _clip_sq(bound_sq: torch.Tensor, mass: torch.Tensor, positions: int, acc: torch.dtype) -> torch.Tensor:
+    """The squared norm an example is clipped by when its contribution is summed by a GEMM (or a scatter) over its
+    ``positions`` rows in ``acc``: ``(sqrt(bound_sq) + positions u mass)^2``, rounded up into ``acc``.
+
+    ``bound_sq`` (float64) bounds the exact squared norm of the example's gradient; ``mass`` (float64) bounds
+    ``sum_t |a_t| |g_t|``, the size of the terms the sum adds for it. Adding each term rounds by at most u (acc's
+    unit roundoff) of a partial sum, so the example's own terms move the computed sum by at most ``positions u
+    mass`` beyond its exact contribution: included here, the clip factor bounds what is actually summed, also for
+    an example whose positions cancel at large magnitude (mass >> norm). Rounding of the other examples' partial
+    sums (relative u of the batch's sum, as in any fp32 training) is not attributable to one example and not
+    included. For ordinary examples (mass ~ sqrt(T) norm) the allowance is ~T^1.5 u: 3e-5 of the norm at T = 64."""
+    u = torch.finfo(acc).eps / 2
+    norm = bound_sq.sqrt() + (positions * u) * mass
+    return (norm * norm * (1 + 4 * u)).to(acc)  # 4u up, then one rounding to nearest: never below
+
+
 def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) -> torch.Tensor:
-    """||a_i^T g_i||_F^2 for a [B, T, d], g [B, T, p]: ghost norm, or the per-example gradient [B, p, d]
-    (kept in ``cache["weight"]``) when that is smaller."""
+    """Squared norm to clip ||a_i^T g_i||_F by, for a [B, T, d], g [B, T, p]: a certified ghost norm (float64 Grams
+    with a rounding bound, :func:`_clip_sq`), or the per-example gradient [B, p, d] (kept in ``cache["weight"]``;
+    its norm is that of the very tensor summed) when that is smaller."""
     _, t, d = a.shape
     p = g.shape[2]
     if _use_ghost(t, p, d):
-        return ghost_norm_sq(a, g).to(_acc(a))
+        return _clip_sq(*certified_ghost_norm_sq(a, g), t, _acc(a))
     per_example = torch.einsum("btp,btd->bpd", g, a)
     if cache is not None:
         cache["weight"] = per_example
@@ -234,7 +251,9 @@ class _ConvNd(DPLayer):
             fan_in = self.weight.shape[1] * math.prod(self.kernel_size)
             if _use_ghost(positions, self.out_channels // self.groups, fan_in):
                 a, g = self._grouped(x, grad_out)
-                total += ghost_norm_sq(a, g).to(_acc(x)).reshape(b, self.groups).sum(1)
+                bound, mass = certified_ghost_norm_sq(a, g)  # per example and group: the groups' blocks add
+                total += _clip_sq(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1),
+                                  positions, _acc(x))  # fmt: skip
             else:
                 per_example = self._per_example_weight(x, grad_out)
                 if cache is not None:
@@ -317,9 +336,14 @@ class Embedding(nn.Embedding, DPLayer):
             if cache is not None:
                 cache["weight"] = per_example
             return _rowsq(per_example)
-        g = g.to(_acc(grad_out))
-        same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g.dtype)  # [B, T, T]
-        return (same * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+        # token-match Gram in float64 with a rigorous rounding bound (as certified_ghost_norm_sq: |a_t| = 1)
+        g64 = g.to(torch.float64)
+        same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g64.dtype)  # [B, T, T]
+        exact = (same * torch.bmm(g64, g64.transpose(1, 2))).sum((1, 2)).clamp_min(0)
+        u = torch.finfo(torch.float64).eps / 2
+        mass = torch.linalg.vector_norm(g64, dim=2).sum(1) * (1 + (dim + t + 4) * u * 1.01)
+        bound = exact + ((dim + t * t + 2) * u * 1.01) * mass * mass
+        return _clip_sq(bound, mass, t, _acc(grad_out))
 
     def clipped_grad_sums(
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None

@@ -26,7 +26,7 @@ import torch
 from fastdp import _backend, _ext
 from fastdp.ref import norms as ref
 
-__all__ = ["clip_factors", "ghost_norm_sq"]
+__all__ = ["certified_ghost_norm_sq", "clip_factors", "ghost_norm_sq"]
 
 _GHOST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -160,6 +160,22 @@ def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return _ghost_norm_sq(a.detach(), g.detach())
     _check_ghost(a, g)
     return torch.ops.fastdp.ghost_norm_sq(a.detach(), g.detach())
+
+
+def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rigorous upper bounds on the per-example squared weight-gradient norms of a Linear layer, for clipping.
+
+    :func:`ghost_norm_sq` is a fast fp32 value that can be far too small, negative or NaN for an example whose
+    positions cancel at large magnitude (Gram products lose everything to rounding). What sets a clip factor must
+    bound the norm of the contribution actually summed, whatever the rounding; this returns ``(bound, mass)``,
+    float64 [B]: ``bound[i] >= ||a_i^T g_i||_F^2`` (float64 Grams plus a rigorous bound on their rounding) and
+    ``mass[i] >= sum_t ||a_it|| ||g_it||`` (the size of the terms a sum of the example's contribution rounds). The
+    torch reference on every device (see ``fastdp.ref.norms.certified_ghost_norm_sq``). Arguments as
+    :func:`ghost_norm_sq`; detached.
+    """
+    _check_ghost(a, g)
+    with torch.no_grad():
+        return ref.certified_ghost_norm_sq(a.detach(), g.detach())
 
 
 def clip_factors(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

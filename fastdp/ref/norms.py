@@ -18,6 +18,8 @@ and the factor that clips example i's gradient to L2 norm <= C is
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 CLIP_EPS = 1e-6
@@ -45,6 +47,47 @@ def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         gram_a = torch.bmm(ac, ac.transpose(1, 2))
         out[start : start + chunk] = gram_a.mul_(torch.bmm(gc, gc.transpose(1, 2))).sum(dim=(1, 2))
     return out
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-(mantissa bits): the largest relative error of one rounding to ``dtype``."""
+    return torch.finfo(dtype).eps / 2
+
+
+def _gamma(n: int, u: float) -> float:
+    """gamma_n = n u / (1 - n u) (Higham): a rigorous bound on the relative error of n roundings."""
+    if n * u >= 0.5:
+        return math.inf
+    return n * u / (1 - n * u)
+
+
+def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bound, mass)``, both float64 [B]: ``bound[i] >= ||a_i^T g_i||_F^2`` for the exact per-example gradient of
+    the values given, whatever the rounding, and ``mass[i] >= sum_t ||a_it|| ||g_it||`` (which bounds the norm too,
+    and how large the terms are that a sum of this example's contribution rounds).
+
+    The Gram products cancel: an example whose positions cancel at large magnitude (tokens ``3e5 u + e`` and
+    ``-3e5 u``) has ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` tiny against its terms, and fp32 Grams make it tiny,
+    negative or NaN. Here the Grams are float64 (fp32, fp16 and bf16 products are exact in float64), and the
+    rounding that remains is bounded rigorously: every Gram entry is a dot product of length d (or p) with error
+    <= gamma_d |a_t| |a_s| (Cauchy-Schwarz), and the sum of the T^2 products adds gamma_{T^2}; all of it is <=
+    gamma_{d + p + T^2 + 2} M^2 with ``M = sum_t |a_t| |g_t|``, which is added to the clamped Gram value.
+    """
+    acc = torch.float64
+    b, seq, d = a.shape
+    p = g.shape[2]
+    u = unit_roundoff(acc)
+    chunk = max(1, GRAM_CHUNK_ELEMENTS // max(1, seq * seq))
+    out = torch.empty(b, dtype=acc, device=a.device)
+    mass = torch.empty(b, dtype=acc, device=a.device)
+    for start in range(0, b, chunk):
+        ac, gc = a[start : start + chunk].to(acc), g[start : start + chunk].to(acc)
+        gram_a = torch.bmm(ac, ac.transpose(1, 2))
+        out[start : start + chunk] = gram_a.mul_(torch.bmm(gc, gc.transpose(1, 2))).sum(dim=(1, 2))
+        rows = torch.linalg.vector_norm(ac, dim=2) * torch.linalg.vector_norm(gc, dim=2)
+        mass[start : start + chunk] = rows.sum(1)
+    mass = mass * (1 + _gamma(max(d, p) + seq + 4, u))  # the mass's own rounding, upward
+    return out.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
 
 
 def per_example_grad_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

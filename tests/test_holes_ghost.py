@@ -1,0 +1,100 @@
+"""Regression tests of the ghost-norm rounding hole (privacy review, hole 1): an example whose positions (tokens,
+patches) cancel at large magnitude got a computed norm far too small, negative or NaN, while its contribution was
+summed separately; one example moved the released sum by up to 246 C. The norm that sets a clip factor must bound
+the contribution actually summed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fastdp.algorithms import DPSGD, Batch
+from fastdp.ops import certified_ghost_norm_sq
+
+C = 1.0
+
+
+class TokenLinear(nn.Module):
+    """A token-wise Linear, mean-pooled over positions, then a head."""
+
+    def __init__(self, d: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(d, hidden), nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        return self.head(self.lin(x).mean(1))
+
+
+class ConvPool(nn.Module):
+    """conv -> global average pool head (sizes where the conv's norm takes the Gram path: 2 L^2 < C_out k C_in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(4, 16, 3), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def leave_one_out(model, x, y, precision="fp32", example=0) -> float:
+    """||release(D) - release(D without ``example``)|| / C, noiseless, on the sum (the example masked out)."""
+    variant = DPSGD(C, 0.0, 0.5, 2 * x.shape[0])
+    variant.set_precision(precision)
+    variant.prepare(model)
+
+    def release(mask):
+        sums, _ = variant.clipped_sum(model, Batch(x, y, mask), 0)
+        return torch.cat([s.reshape(-1).double() for s in sums]) * variant.expected_batch_size
+
+    full = torch.ones(x.shape[0], dtype=torch.bool)
+    without = full.clone()
+    without[example] = False
+    return float((release(full) - release(without)).norm()) / C
+
+
+def cancelling_tokens(scale: float, seed: int, batch: int = 4, positions: int = 2, d: int = 8):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, positions, d, generator=gen)
+    u, e = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    x[0, 0], x[0, 1] = scale * u + e, -scale * u
+    return x, torch.randint(0, 3, (batch,), generator=gen)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("scale", [3e5, 1e7])
+def test_cancelling_tokens_stay_within_the_bound(precision, scale):
+    worst = 0.0
+    for seed in range(6):
+        torch.manual_seed(seed)
+        x, y = cancelling_tokens(scale, seed)
+        worst = max(worst, leave_one_out(TokenLinear(), x, y, precision))
+    assert worst <= 1 + 1e-5, f"one example moved the release by {worst} C"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("scale", [1e5, 1e6, 1e7])
+def test_a_checkerboard_image_into_conv_and_global_pool_stays_within_the_bound(precision, scale):
+    worst = 0.0
+    for seed in range(4):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 4, 6, 6)  # 4 x 4 output positions: the checkerboard's patches cancel in pairs
+        board = (torch.arange(6).unsqueeze(0) + torch.arange(6).unsqueeze(1)) % 2 * 2.0 - 1.0
+        x[0] = scale * board + 0.01 * torch.randn(4, 6, 6)
+        worst = max(worst, leave_one_out(ConvPool(), x, torch.randint(0, 3, (4,)), precision))
+    assert worst <= 1 + 1e-5, f"one example moved the release by {worst} C"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_certified_ghost_norm_bounds_the_exact_norm_and_is_tight_for_ordinary_rows(dtype):
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 5, 7, generator=gen, dtype=torch.float64)
+    g = torch.randn(6, 5, 3, generator=gen, dtype=torch.float64)
+    a[0, :2] = torch.stack([1e6 * a[0, 2] + a[0, 3], -1e6 * a[0, 2]])  # cancelling rows
+    g[0, 1] = g[0, 0]
+    a, g = a.to(dtype), g.to(dtype)
+    bound, mass = certified_ghost_norm_sq(a, g)
+    exact = torch.einsum("btd,btp->bdp", a.double(), g.double()).pow(2).sum((1, 2))
+    assert bound.dtype == torch.float64 and (bound >= exact).all()
+    assert (mass >= exact.sqrt()).all()
+    assert torch.allclose(bound[1:], exact[1:], rtol=1e-9)
