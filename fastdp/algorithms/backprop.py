@@ -26,7 +26,13 @@ from fastdp.algorithms.base import (
     summed_loss_gradients,
     trainable_parameters,
 )
-from fastdp.nn.backprop import check_backprop_supported, convert_backprop, parameter_sensitivities
+from fastdp.nn.backprop import (
+    check_backprop_supported,
+    convert_backprop,
+    parameter_sensitivities,
+    refuse_reused_layers,
+    reset_calls,
+)
 from fastdp.privacy.accounting import zcdp_rho, zcdp_to_epsilon
 
 
@@ -81,7 +87,10 @@ class BackpropClip(Variant):
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         self.prepare(model)
         check_backprop_supported(model)  # every step: train/eval mode and requires_grad can change after convert
-        return summed_loss_gradients(model, self.loss_fn, batch, self._forward)
+        reset_calls(model)
+        sums, loss = summed_loss_gradients(model, self.loss_fn, batch, self._forward)
+        refuse_reused_layers(model)  # a layer called k times sums k clipped terms: k C1 C2, not the C1 C2 credited
+        return sums, loss
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)

@@ -48,6 +48,18 @@ SUMMED_IN_LOW_PRECISION = (
 )
 
 
+# Trainable-parameter dtypes a private variant accepts (Variant.check_parameters): with bf16/fp16 parameters the
+# model's whole forward and backward, and so each weight gradient summed over the batch, are in that dtype.
+PARAMETER_DTYPES = (torch.float32, torch.float64)
+# Why DP-SGD, whose bound survives autocast, still refuses low-precision parameters.
+LOW_PRECISION_PARAMETERS_DPSGD = (
+    "its bf16/fp16 argument (set_precision) keeps fp32 parameters and runs only the forward under autocast, with the "
+    "per-example norms, clip factors and clipped sums accumulated in fp32; with bf16/fp16 parameters those are "
+    "computed in the parameters' dtype, and each layer's clipped sum is one low-precision matmul over the batch, "
+    "rounded after the examples are summed, so one example can move it beyond C"
+)
+
+
 @dataclass
 class Batch:
     """Examples of one step. ``mask`` marks real rows; padded rows (mask False) must count for nothing."""
@@ -153,6 +165,39 @@ class Variant(abc.ABC):
         self.check_precision(precision)
         self.precision, self.loss_scale = precision, resolve_loss_scale(precision, loss_scale)
 
+    def check_parameters(self, model: torch.nn.Module) -> None:
+        """Refuse, for a private variant, trainable parameters that are not float32/float64 (``model.half()``,
+        ``model.bfloat16()``): the model's forward and backward then run in that dtype, and each weight gradient is
+        one low-precision matmul over the batch, rounded after the examples are summed, which breaks the sensitivity
+        bound as autocast does for the variants that refuse it (``low_precision_refusal``; DP-SGD's autocast
+        argument needs fp32 parameters and fp32 accumulation). Called by :meth:`gradient` before anything of the
+        step is computed; names the offending parameters. Non-private variants (no bound) are not checked.
+
+        Frozen (requires_grad=False) low-precision parameters are not refused: no gradient sum is formed for them;
+        they round each example's own forward and backward, i.e. they change which per-example function is
+        computed, as autocast's rounding does, without summing examples in low precision."""
+        if not self.private:
+            return
+        bad = [(name, p.dtype) for name, p in model.named_parameters()
+               if p.requires_grad and p.dtype not in PARAMETER_DTYPES]  # fmt: skip
+        if not bad:
+            return
+        shown = ", ".join(f"{name} ({str(dtype).removeprefix('torch.')})" for name, dtype in bad[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        reason = self.low_precision_refusal or LOW_PRECISION_PARAMETERS_DPSGD
+        advice = (
+            "use set_precision('bf16') (CLI --precision bf16) for mixed precision: autocast of the forward only"
+            if self.low_precision_refusal is None
+            else f"variant {self.name!r} trains in fp32 only (bf16/fp16 autocast, set_precision / --precision, is "
+            "available for dpsgd)"
+        )
+        raise ValueError(
+            f"variant {self.name!r} trains float32 or float64 parameters only, but these trainable parameters are in "
+            f"low precision: {shown}{more}. With bf16/fp16 parameters the model's forward and backward run in that "
+            f"dtype: {reason}. Keep the trainable parameters in float32 (do not cast the model with .half(), "
+            f".bfloat16() or .to(torch.bfloat16)); {advice}"
+        )
+
     def _forward(self, model, x: torch.Tensor) -> torch.Tensor:
         """``model(x)`` (any callable of the input) under autocast to this variant's precision, the output cast to
         fp32. Every variant's model forward goes through here, so autocast covers exactly the forward and, through
@@ -239,6 +284,7 @@ class Variant(abc.ABC):
                 "a logical batch needs at least one (possibly empty) micro-batch: the noise is released "
                 "every step, also for an empty Poisson sample"
             )
+        self.check_parameters(model)  # every step, before anything is computed: dtypes can change between steps
         sums, loss = self._clipped_sum_step(model, batches[0], step)
         for micro in batches[1:]:
             more, more_loss = self._clipped_sum_step(model, micro, step)

@@ -42,24 +42,27 @@ from fastdp.algorithms.base import (
     sum_dtype,
     trainable_parameters,
 )
+from fastdp.nn import mixes_examples
 from fastdp.ops import add_noise_
 
 NORM_EPS = 1e-6  # in the clip factor's denominator, as in DP-SGD
 TANGENT_KEY = 0x4A4C_7461_6E67_656E  # mixed into the noise seed: the tangents' own stream ("JLtangen")
 SEED_MASK = (1 << 63) - 1
 _STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)
-_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
 
 
 def check_deterministic_per_example(model: nn.Module) -> None:
-    """Refuse modules that make the per-example loss depend on other examples or on fresh randomness."""
+    """Refuse modules that make the per-example loss depend on other examples (``fastdp.nn.mixes_examples``, in
+    either mode) or on fresh randomness (dropout in training mode)."""
     bad = [f"{n or '<model>'} ({type(m).__name__})" for n, m in model.named_modules()
-           if m.training and isinstance(m, _STOCHASTIC + _MIXING)]  # fmt: skip
+           if mixes_examples(m) or (m.training and isinstance(m, _STOCHASTIC))]  # fmt: skip
     if bad:
         raise ValueError(
             "DP-SGD-JL needs each example's loss to be a fixed function of the parameters during a step, but these "
-            "layers use batch statistics or dropout in training mode: " + ", ".join(bad) + ". Use GroupNorm or "
-            "LayerNorm instead of batch statistics, and drop dropout (or put those layers in eval mode)."
+            "layers use batch statistics in eval mode (BatchNorm without running statistics), or batch statistics "
+            "or dropout in training mode: " + ", ".join(bad) + ". Use GroupNorm or LayerNorm instead of batch "
+            "statistics (or eval mode with running statistics, track_running_stats=True), and drop dropout (or put "
+            "it in eval mode)."
         )
 
 

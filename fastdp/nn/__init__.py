@@ -29,9 +29,10 @@ __all__ = [
     "UnsupportedLayerError",
     "active_context",
     "batch_statistics_layers",
-    "refuse_batch_statistics",
     "check_supported",
     "convert",
+    "mixes_examples",
+    "refuse_batch_statistics",
 ]
 
 _ALTERNATIVES = {
@@ -48,12 +49,30 @@ class UnsupportedLayerError(ValueError):
     """A model has trainable parameters in modules fastdp cannot clip per example."""
 
 
-_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.SyncBatchNorm)
+def mixes_examples(module: nn.Module) -> bool:
+    """Whether ``module`` makes one example's output, or the model it leaves, depend on the other examples of the
+    batch (every variant refuses such a module, trainable or not, in either mode):
+
+    * a BatchNorm (any ``_BatchNorm``, SyncBatchNorm included) in training mode, or in eval mode without running
+      statistics (``track_running_stats=False`` or a running_mean/running_var of None): torch then normalises with
+      the batch's statistics in eval mode too;
+    * an InstanceNorm in training mode with ``track_running_stats=True``: each example is normalised alone, but the
+      batch's statistics are averaged into the running statistics (unnoised, released with the model, used in eval
+      mode).
+
+    InstanceNorm otherwise normalises each example with its own statistics (or public running ones), in both modes:
+    it mixes nothing and is not refused here (a trainable one still needs a DP layer or a rule, per variant)."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        running = module.track_running_stats and module.running_mean is not None and module.running_var is not None
+        return module.training or not running
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return module.training and module.track_running_stats
+    return False
 
 
 def check_supported(model: nn.Module) -> None:
     """Raise :class:`UnsupportedLayerError` for modules one-backward clipping cannot handle: trainable modules that
-    are not DP layers, batch-statistics layers in training mode (they mix examples, trainable or not), and a
+    are not DP layers, layers that mix examples (:func:`mixes_examples`, trainable or not), and a
     parameter shared by two DP layers (tied weights: its per-example gradient sums both uses).
 
     One walk over the modules (DP-SGD calls it every step: train/eval mode and ``requires_grad`` can change)."""
@@ -64,7 +83,7 @@ def check_supported(model: nn.Module) -> None:
         if not isinstance(module, DPLayer):
             if trainable:
                 bad.append((name, module))
-            if isinstance(module, _MIXING) and module.training:
+            if mixes_examples(module):
                 mixing.append(f"{name or '<model>'} ({type(module).__name__})")
             continue
         for p in trainable:
@@ -95,18 +114,21 @@ def refuse_batch_statistics(layers: list[str], why: str = "") -> None:
     ``why`` opens the message with what the caller needs that they break."""
     if layers:
         raise UnsupportedLayerError(
-            why + "these layers use batch statistics in training mode, so one example changes every example's "
-            "gradient: " + ", ".join(layers) + ". Use GroupNorm or LayerNorm, or put them in eval mode with public "
-            "statistics."
+            why + "these layers use batch statistics in training mode, or in eval mode without running statistics "
+            "(BatchNorm with track_running_stats=False), so one example changes the other examples' outputs and "
+            "gradients (InstanceNorm with track_running_stats=True in training mode: the running statistics it "
+            "writes into the model): " + ", ".join(layers) + ". Use GroupNorm or LayerNorm, or put them in eval mode "
+            "with running statistics (track_running_stats=True) estimated from public data."
         )
 
 
 def batch_statistics_layers(model: nn.Module) -> list[str]:
-    """'name (Type)' of every layer of ``model`` that normalises with batch statistics in training mode (BatchNorm,
-    InstanceNorm): one example then changes every example's output, so no per-example bound holds, whether the
-    layer trains or not."""
-    return [f"{name or '<model>'} ({type(m).__name__})" for name, m in model.named_modules()
-            if isinstance(m, _MIXING) and m.training]  # fmt: skip
+    """'name (Type)' of every layer of ``model`` that mixes examples (:func:`mixes_examples`: BatchNorm in training
+    mode or without running statistics, InstanceNorm updating running statistics): one example then changes the
+    others' outputs (or the model), so no per-example bound holds, whether the layer trains or not. The one list
+    every variant refuses (DP-SGD ghost and reference, backprop clipping, JL; clipless/weightclip have no Lipschitz
+    rule for these layers)."""
+    return [f"{name or '<model>'} ({type(m).__name__})" for name, m in model.named_modules() if mixes_examples(m)]
 
 
 def convert(model: nn.Module) -> nn.Module:
