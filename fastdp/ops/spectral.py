@@ -13,8 +13,8 @@ Input checks: every matrix is 2-D, non-empty, floating point; lists are non-empt
 counts are in [1, 2**31) (Gram iterations: [1, 1023]); values (weights and warm-start vectors) are
 finite (meta tensors carry no values: shape-only calls skip this check). The finiteness check costs
 one device synchronisation per call; set ``fastdp.ops.spectral.CHECK_FINITE = False`` to skip it
-(non-finite weights then give NaN estimates). An all-zero warm-start vector (what a zero matrix
-returns) means a cold start.
+(non-finite weights then give NaN estimates, and certified bounds +inf, never NaN). An all-zero
+warm-start vector (what a zero matrix returns) means a cold start.
 
 Backends: ``fastdp._backend.select("spectral", device)``; ``triton`` runs
 ``fastdp.kernels.spectral`` (one launch over all layers); ``cuda`` runs
@@ -226,7 +226,10 @@ def certified_spectral_norm(w: torch.Tensor, iters: int = 6) -> torch.Tensor:
     ``iters`` Gram iterations in float64 on the smaller Gram side; the bound decreases to
     sigma_max as ``iters`` grows (within a factor rank^(1/2^(iters+1)): 1.6% for rank 64 at
     iters = 6) and is never below it: float64 rounding is covered by a 1e-9 relative slack
-    and the result is rounded up to the output dtype. O(min(m, n)^3) per iteration.
+    and the result is rounded up to the output dtype. W is first scaled by an exact power of
+    two (its largest entry into [0.5, 1)), so the bound holds for every finite matrix, however
+    small or large its entries (a zero matrix gives 0; a bound that overflows the output dtype
+    is +inf). O(min(m, n)^3) per iteration.
 
     Args:
         w: non-empty 2-D matrix (float32, float16, bfloat16 or float64), finite.

@@ -24,8 +24,13 @@ sigma_1(G_{k+1}) = sigma_1(G_k)^2 / r_k^2, hence for any t
                 <= prod_{k<t} r_k^(1/2^k) * ||G_t||_F^(1/2^t)    (the bound),
 
 which decreases to sigma_max(W) as t grows (``||G_t||_F^(1/2^t) <= rank^(1/2^(t+1)) sigma_1``).
-Computed in float64 (the rescaling keeps every entry <= 1: no overflow), multiplied by
-(1 + 1e-9) to cover float64 rounding, and rounded *up* to the output dtype.
+Computed in float64 on W scaled exactly by a power of two, 2**-e with max|W| = f 2**e, f in [0.5, 1)
+(so that no Frobenius norm or Gram power underflows or overflows, whatever W's magnitude: unscaled,
+matrices with entries below ~1e-161 gave 0 and above ~1e154 NaN); the rescaling by r_k keeps every
+entry <= 1 after that. The bound of the scaled matrix is multiplied by (1 + 1e-9) to cover float64
+rounding, scaled back by 2**e (rounded up where that leaves the normal range) and rounded *up* to
+the output dtype. A zero matrix gives 0; a matrix with a NaN or Inf gives +inf (the ops refuse them
+first unless their finiteness check is deferred): never NaN, never below sigma_max.
 
 Conv operator norm. Power iteration on the linear map A: x -> conv2d(x, weight, ...)
 from R^(C_in x H x W) with its adjoint A^T = conv2d_input (the transposed convolution
@@ -91,23 +96,46 @@ def power_iteration(
     return torch.stack([s.to(dtype) for s in sigmas]), us, vs
 
 
-def _round_up(bound64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``bound64`` in ``dtype``, rounded towards +inf (a cast rounds to nearest)."""
+def round_up(bound64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``bound64`` (float64) in ``dtype``, rounded towards +inf (a cast rounds to nearest): never below it."""
     out = bound64.to(dtype)
     return torch.where(out.double() < bound64, torch.nextafter(out, torch.full_like(out, math.inf)), out)
 
 
-def certified_spectral_norm(w: torch.Tensor, iters: int = 6) -> torch.Tensor:
-    """Upper bound on sigma_max(w) by ``iters`` Gram iterations (module docstring), float64 inside.
+_round_up = round_up
 
-    Returns a 0-d tensor, float32 (float64 for float64 inputs), never below sigma_max(w)
-    beyond float64 rounding of the iteration (covered by a 1e-9 relative slack).
-    """
-    out_dtype = accumulation_dtype(w.dtype)
-    g = w.to(torch.float64)
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """2.0**k in float64, exactly, for integer tensors k in [-1022, 1023] (built from the bits: no pow rounding)."""
+    return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _exponent(m: torch.Tensor) -> torch.Tensor:
+    """e with m = f 2**e, f in [0.5, 1), for a finite float64 m > 0 (int64; 0 for m = 0): m 2**-e is in [0.5, 1)."""
+    return torch.frexp(m).exponent.to(torch.int64)
+
+
+def scale_pow2(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """x * 2**e (float64, e an integer tensor in [-2100, 2100]) in two exact power-of-two factors: exact unless the
+    result leaves the normal range (then one rounding to nearest, or inf/0)."""
+    half = torch.div(e, 2, rounding_mode="floor")
+    return x * _pow2(half) * _pow2(e - half)
+
+
+def scale_pow2_up(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """x * 2**e for x >= 0 (float64), rounded up: where the result is subnormal it may have been rounded down, which
+    scaling it back up (exact there) shows."""
+    out = scale_pow2(x, e)
+    low = scale_pow2(out, -e) < x
+    return torch.where(low, torch.nextafter(out, torch.full_like(out, math.inf)), out)
+
+
+def _gram_bound_unit(g: torch.Tensor, iters: int) -> torch.Tensor:
+    """The Gram-iteration bound (module docstring) of a float64 matrix whose largest entry is in [0.5, 1) or 0,
+    with the (1 + CERTIFY_SLACK) rounding slack; 0 for a zero matrix."""
     if g.shape[0] < g.shape[1]:
         g = g.T  # G_1 = g^T g is then the smaller Gram matrix
-    log_bound = torch.zeros((), dtype=torch.float64, device=w.device)
+    log_bound = torch.zeros((), dtype=torch.float64, device=g.device)
     for k in range(iters):
         r = torch.linalg.matrix_norm(g)
         r_safe = torch.where(r > 0, r, torch.ones_like(r))  # zero matrix: the bound ends at 0
@@ -115,8 +143,26 @@ def certified_spectral_norm(w: torch.Tensor, iters: int = 6) -> torch.Tensor:
         g = g / r_safe
         g = g.T @ g
     log_bound = log_bound + torch.log(torch.linalg.matrix_norm(g)) / 2.0**iters
-    bound = torch.exp(log_bound) * (1.0 + CERTIFY_SLACK)
-    return _round_up(bound, out_dtype)
+    return torch.exp(log_bound) * (1.0 + CERTIFY_SLACK)
+
+
+def certified_spectral_norm(w: torch.Tensor, iters: int = 6) -> torch.Tensor:
+    """Upper bound on sigma_max(w) by ``iters`` Gram iterations (module docstring), float64 inside.
+
+    Returns a 0-d tensor, float32 (float64 for float64 inputs), never below sigma_max(w)
+    beyond float64 rounding of the iteration (covered by a 1e-9 relative slack), for every
+    finite w however small or large its entries (w is scaled by a power of two first); 0 for a
+    zero matrix, +inf for a matrix with a NaN or Inf (never NaN). No host synchronisation.
+    """
+    out_dtype = accumulation_dtype(w.dtype)
+    g = w.to(torch.float64)
+    top = g.abs().amax()
+    finite = torch.isfinite(top)
+    e = torch.where(finite & (top > 0), _exponent(top), torch.zeros((), dtype=torch.int64, device=g.device))
+    unit = _gram_bound_unit(scale_pow2(g, -e), iters)  # largest entry in [0.5, 1): exact scaling
+    bound = scale_pow2_up(unit, e)
+    bound = torch.where(finite, bound, torch.full_like(bound, math.inf))  # NaN/Inf weights: +inf, never NaN
+    return round_up(bound, out_dtype)
 
 
 def certified_spectral_norms(weights: list[torch.Tensor], iters: int = 6) -> torch.Tensor:
