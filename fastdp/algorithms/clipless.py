@@ -30,8 +30,9 @@ from fastdp.algorithms.base import (
     trainable_parameters,
 )
 from fastdp.nn.clip import clip_rows
-from fastdp.nn.lipschitz import LipschitzLoss, TauCrossEntropy, lipschitz_bounds, project_
+from fastdp.nn.lipschitz import LipschitzLoss, TauCrossEntropy, lipschitz_bounds, mul_up, project_, sqrt_up, sum_up
 from fastdp.ops.spectral import deferred_finite_checks
+from fastdp.ref.spectral import round_up
 
 STRATEGIES = ("per-layer", "global")
 
@@ -86,20 +87,30 @@ class Clipless(Variant):
 
     def noise_stds(self, model: torch.nn.Module) -> torch.Tensor:
         """Noise std on the summed gradient of every trainable parameter, from the current bounds: a float32 tensor
-        on the parameters' device, computed without reading any device value on the host."""
+        on the parameters' device, computed without reading any device value on the host.
+
+        Computed in float64 from the float64 bounds with every product, sum and square root rounded up, and
+        rounded up once to float32 (``last_bounds`` too): never below the exact sigma sqrt(D) Delta_l (or sigma
+        sqrt(sum Delta^2)) of the bounds, where casts and float32 products round to nearest, half the time down."""
         x_bound = math.inf if self.input_bound is None else self.input_bound  # else the model's BoundedInput
         bounds = lipschitz_bounds(model, self.loss_fn, x_bound)
         params = trainable_parameters(model)
         device = params[0].device if params else torch.device("cpu")
+        if not params:
+            self.last_bounds = torch.zeros(0, device=device)
+            return self.last_bounds
         # constant bounds are filled on the device (no host-to-device copy), weight-dependent ones are already there
-        self.last_bounds = torch.stack([
-            bounds[p].to(torch.float32) if isinstance(bounds[p], torch.Tensor)
-            else torch.full((), bounds[p], dtype=torch.float32, device=device)
+        bounds64 = torch.stack([
+            bounds[p].to(torch.float64) if isinstance(bounds[p], torch.Tensor)
+            else torch.full((), bounds[p], dtype=torch.float64, device=device)
             for p in params
-        ]) if params else torch.zeros(0, device=device)  # fmt: skip
+        ])  # fmt: skip
+        self.last_bounds = round_up(bounds64, torch.float32)
         if self.strategy == "global":
-            return (self.noise_multiplier * self.last_bounds.square().sum().sqrt()).expand(len(params))
-        return self.noise_multiplier * math.sqrt(len(params)) * self.last_bounds
+            std = mul_up(self.noise_multiplier, sqrt_up(sum_up(mul_up(bounds64, bounds64))))
+            return round_up(std, torch.float32).expand(len(params))
+        scale = mul_up(self.noise_multiplier, sqrt_up(float(len(params))))
+        return round_up(mul_up(scale, bounds64), torch.float32)
 
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         if self.input_bound is not None:  # enforce X_0 on the inputs (a per-example projection)

@@ -12,12 +12,19 @@ Units: bounds are per example, for the *summed* loss (DP-SGD's convention here: 
 then divided by the expected batch size). Norms are L2 over all of one example's coordinates. Constants that
 depend on weights are certified upper bounds (``fastdp.ops.certified_spectral_norm``), not power-iteration
 estimates, which under-estimate. :func:`lipschitz_bounds` refuses models containing a module without rules.
+
+Rounding: every bound is rounded *up*, never to nearest. Weight-dependent bounds are float64 0-d tensors and
+constants Python floats (float64); each product, sum and square root of bounds (``mul_up``, ``add_up``,
+``sqrt_up``) is followed by a step to the next float64 up unless it is exact, and a bound is converted to float32
+only once, at the end, rounded up (``fastdp.ref.spectral.round_up``): a float32 bound is never below the exact
+value of its rule. (A cast of sqrt(2) to float32, for instance, rounds it *down* to 1.41421354.)
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -51,11 +58,86 @@ __all__ = [
 CERTIFY_ITERS = 12
 
 
-Bound = float | torch.Tensor  # a Python float, or a 0-d tensor where it depends on the weights (no host sync)
+Bound = float | torch.Tensor  # a Python float, or a float64 0-d tensor where it depends on the weights (no host sync)
+
+
+# ----------------------------------------------------------------------------- bound arithmetic, rounded up
+# Bounds are >= 0. A float64 operation on exact operands rounds to nearest, within half an ulp of the exact result,
+# so the next float up is >= it; the operations below take that step unless the result is known to be exact.
+# Operands that are upper bounds give upper bounds (the operations are monotone). Python floats are checked for
+# exactness with fractions; tensors (float64, no host read) step up unless an operand is 0.
+
+_INF = math.inf
+
+
+def _as64(x: Bound) -> Bound:
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _step_up(result: torch.Tensor, exact: torch.Tensor | bool) -> torch.Tensor:
+    """``result`` where ``exact``, else the next float up."""
+    up = torch.nextafter(result, torch.full_like(result, _INF))
+    if isinstance(exact, bool):
+        return result if exact else up
+    return torch.where(exact, result, up)
+
+
+def _float_up(result: float, exact: Fraction) -> float:
+    return math.nextafter(result, _INF) if Fraction(result) < exact else result
+
+
+def mul_up(a: Bound, b: Bound) -> Bound:
+    """An upper bound on a * b (bounds >= 0): float64, rounded up."""
+    a, b = _as64(a), _as64(b)
+    r = a * b
+    if isinstance(r, torch.Tensor):
+        return _step_up(r, (a == 0) | (b == 0))
+    return _float_up(r, Fraction(a) * Fraction(b)) if math.isfinite(r) else r
+
+
+def add_up(a: Bound, b: Bound) -> Bound:
+    """An upper bound on a + b (bounds >= 0): float64, rounded up."""
+    a, b = _as64(a), _as64(b)
+    r = a + b
+    if isinstance(r, torch.Tensor):
+        return _step_up(r, (a == 0) | (b == 0))
+    return _float_up(r, Fraction(a) + Fraction(b)) if math.isfinite(r) else r
+
+
+def sqrt_up(a: Bound) -> Bound:
+    """An upper bound on sqrt(a) (a >= 0): float64, rounded up."""
+    a = _as64(a)
+    if isinstance(a, torch.Tensor):
+        return _step_up(a.sqrt(), a == 0)
+    r = math.sqrt(a)
+    return math.nextafter(r, _INF) if math.isfinite(r) and Fraction(r) ** 2 < Fraction(a) else r
+
+
+def sum_up(t: torch.Tensor) -> torch.Tensor:
+    """An upper bound on the sum of a float64 tensor of n values >= 0: the float64 sum (relative error at most
+    (n - 1) u / (1 - (n - 1) u), u = 2**-53, in any summation order) times 1 + (n + 1) 2**-52, rounded up."""
+    n = t.numel()
+    return _step_up(t.sum() * (1.0 + (n + 1) * 2.0**-52), t.numel() <= 1)
+
+
+def norm_up(t: torch.Tensor) -> torch.Tensor:
+    """A certified upper bound on the L2 norm of all of ``t``'s entries: a float64 0-d tensor, 0 for a zero tensor,
+    +inf if ``t`` has a NaN or Inf; no host read. ``t`` is scaled by its largest magnitude (so that no square
+    underflows or overflows), and the float64 rounding of the scaled sum of squares (at most (n + 4) u relative,
+    u = 2**-53) is covered by a factor 1 + (n + 4) 2**-52."""
+    t = t.detach().to(torch.float64).reshape(-1)
+    top = t.abs().amax()
+    finite_nonzero = torch.isfinite(top) & (top > 0)
+    scale = torch.where(finite_nonzero, top, torch.ones_like(top))
+    unit = torch.linalg.vector_norm(t / scale)  # the largest entry is 1: the norm is in [1, sqrt(n)]
+    unit = _step_up(unit * (1.0 + (t.numel() + 4) * 2.0**-52), False)
+    out = torch.where(finite_nonzero, _step_up(scale * unit, False), torch.zeros_like(top))
+    return torch.where(torch.isfinite(top), out, torch.full_like(top, _INF))
 
 
 def _minimum(a: Bound, b: Bound) -> Bound:
-    """min(a, b) for bounds that may be 0-d tensors, without reading them on the host."""
+    """min(a, b) for bounds that may be 0-d tensors, without reading them on the host (exact: float64)."""
+    a, b = _as64(a), _as64(b)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return torch.minimum(a, b)
     if isinstance(a, torch.Tensor):
@@ -63,6 +145,9 @@ def _minimum(a: Bound, b: Bound) -> Bound:
     if isinstance(b, torch.Tensor):
         return b.clamp(max=a)
     return min(a, b)
+
+
+SQRT2_UP = sqrt_up(2.0)  # the float64 just above sqrt(2), the logit-gradient bound of two losses below
 
 
 _bounds_pass = threading.local()  # memo of certified norms during one lipschitz_bounds call
@@ -82,8 +167,9 @@ def _certified(module: nn.Module, compute) -> torch.Tensor:
 class LipschitzModule(nn.Module):
     """A layer with bound rules; the default is a parameter-free 1-Lipschitz map with ``f(0) = 0``.
 
-    Bounds are Python floats where they are constants and 0-d tensors (on the weights' device) where they depend
-    on the weights, so computing them never synchronises with the device."""
+    Bounds are Python floats where they are constants and float64 0-d tensors (on the weights' device) where they
+    depend on the weights, so computing them never synchronises with the device; rules combine them with
+    ``mul_up`` / ``add_up`` (rounded up), never with ``*`` / ``+`` (rounded to nearest)."""
 
     def propagate(self, x_bound: Bound) -> Bound:
         return x_bound
@@ -161,19 +247,19 @@ class LipschitzLinear(LipschitzModule):
         return _certified(self, lambda: certified_spectral_norm(self.weight.detach(), iters=CERTIFY_ITERS))
 
     def _bias_norm(self) -> Bound:
-        return 0.0 if self.bias is None else self.bias.detach().norm()
+        return 0.0 if self.bias is None else norm_up(self.bias)
 
     def propagate(self, x_bound: Bound) -> Bound:
-        return self.lipschitz() * x_bound + self._bias_norm()
+        return add_up(mul_up(self.lipschitz(), x_bound), self._bias_norm())
 
     def sensitivities(self, x_bound: Bound, g_bound: Bound) -> dict[nn.Parameter, Bound]:
-        out = {self.weight: g_bound * x_bound} if self.weight.requires_grad else {}
+        out = {self.weight: mul_up(g_bound, x_bound)} if self.weight.requires_grad else {}
         if self.bias is not None and self.bias.requires_grad:
             out[self.bias] = g_bound
         return out
 
     def backpropagate(self, g_bound: Bound) -> Bound:
-        return g_bound * self.lipschitz()
+        return mul_up(g_bound, self.lipschitz())
 
     @torch.no_grad()
     def project_(self) -> None:
@@ -182,7 +268,9 @@ class LipschitzLinear(LipschitzModule):
             self.weight.copy_(w * self.max_norm)
             self._u.copy_(u)
             return
-        scale = self.max_norm / self.lipschitz()  # certified: after rescaling, ||W||_2 <= C for sure
+        norm = self.lipschitz()
+        scale = self.max_norm / norm  # certified: after rescaling, ||W||_2 <= C (up to the rounding of W * scale)
+        scale = torch.where(norm > 0, scale, torch.ones_like(scale))  # a zero matrix stays 0 (not 0 * inf = NaN)
         # "clip" rescales only when above C (a factor of exactly 1 otherwise); decided on the device, no sync
         self.weight.mul_(scale if self.projection == "fixed" else scale.clamp(max=1.0))
 
@@ -222,19 +310,26 @@ class LipschitzConv2d(LipschitzModule):
         k = self.kernel_size
         return k * k if self.dilation != 1 else math.ceil(k / self.stride) ** 2
 
+    def _root_overlap(self) -> int:
+        """sqrt(m), exactly: m is the square of an integer (k, or ceil(k / s))."""
+        k = self.kernel_size
+        return k if self.dilation != 1 else -(-k // self.stride)
+
     def _factor(self) -> torch.Tensor:
         matrix = self.weight.detach().reshape(self.weight.shape[0], -1)
         norm = _certified(self, lambda: certified_spectral_norm(matrix, iters=CERTIFY_ITERS))
-        return math.sqrt(self._overlap()) * norm
+        return mul_up(float(self._root_overlap()), norm)
 
     def propagate(self, x_bound: Bound) -> Bound:
-        return self._factor() * x_bound
+        return mul_up(self._factor(), x_bound)
 
     def sensitivities(self, x_bound: Bound, g_bound: Bound) -> dict[nn.Parameter, Bound]:
-        return {self.weight: math.sqrt(self._overlap()) * x_bound * g_bound} if self.weight.requires_grad else {}
+        if not self.weight.requires_grad:
+            return {}
+        return {self.weight: mul_up(mul_up(float(self._root_overlap()), x_bound), g_bound)}
 
     def backpropagate(self, g_bound: Bound) -> Bound:
-        return self._factor() * g_bound
+        return mul_up(self._factor(), g_bound)
 
     @torch.no_grad()
     def project_(self) -> None:
@@ -243,7 +338,14 @@ class LipschitzConv2d(LipschitzModule):
 
 class L2NormPool2d(LipschitzModule):
     """L2 norm of each non-overlapping k x k window (stride = k): norm preserving up to dropped border pixels,
-    1-Lipschitz (papers/00 ScaledL2NormPooling)."""
+    1-Lipschitz (papers/00 ScaledL2NormPooling).
+
+    Each window x is divided by its largest magnitude m before squaring (||x|| = m ||x / m||: no square underflows
+    or overflows, so a tiny window keeps an accurate norm, not one off by up to 40 % where x**2 is subnormal in
+    float32). The gradient is the unit direction x / ||x|| itself (norm 1 up to rounding, never an intermediate
+    that underflows), and 0 at an all-zero window: a valid subgradient of ||x|| there (norm <= 1), where sqrt's
+    infinite derivative made one black image's gradient NaN.
+    """
 
     def __init__(self, kernel_size: int) -> None:
         super().__init__()
@@ -251,13 +353,35 @@ class L2NormPool2d(LipschitzModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = self.kernel_size
-        return (F.avg_pool2d(x * x, k, stride=k) * (k * k)).clamp(min=0).sqrt()  # f(0) = 0
+        if x.dim() < 3:
+            raise ValueError(f"L2NormPool2d takes [B, C, H, W] or [C, H, W] inputs, got shape {tuple(x.shape)}")
+        h, w = x.shape[-2] // k, x.shape[-1] // k
+        if h == 0 or w == 0:
+            raise ValueError(
+                f"L2NormPool2d({k}): an input of {x.shape[-2]}x{x.shape[-1]} pixels is smaller than one {k}x{k} window"
+            )
+        acc = torch.promote_types(x.dtype, torch.float32)
+        windows = x[..., : h * k, : w * k].to(acc).reshape(*x.shape[:-2], h, k, w, k)
+        dims = (-3, -1)
+        values = windows.detach()
+        top = values.abs().amax(dim=dims, keepdim=True)
+        scale = torch.where(top > 0, top, torch.ones_like(top))
+        unit = values / scale  # its largest entry is +-1
+        q = unit.square().sum(dim=dims, keepdim=True)  # >= 1, or 0 for an all-zero window (NaN stays NaN)
+        root = q.sqrt()
+        norm = scale * root
+        direction = torch.where(q == 0, 0.0, unit / root)  # d||x||/dx, and 0 at x = 0
+        # the value is `norm`, the gradient `direction` (linear - linear.detach() is exactly 0, of gradient direction)
+        linear = (windows * direction).sum(dim=dims, keepdim=True)
+        return (norm + (linear - linear.detach())).squeeze(-1).squeeze(-2).to(x.dtype)
 
 
 class AddBias(LipschitzModule):
     """y = x + b for [B, d] inputs, with ||b|| <= ``norm_max`` kept by projection onto the ball.
 
-    Rules: ||y|| <= ||x|| + norm_max; per-example ||dL/db|| <= g; ||dL/dx|| <= g.
+    Rules: ||y|| <= ||x|| + ||b|| (a certified norm of the current bias: <= norm_max after the projection, up to
+    the rounding of its rescaling, which the constant norm_max would not cover); per-example ||dL/db|| <= g;
+    ||dL/dx|| <= g.
     """
 
     def __init__(self, features: int, norm_max: float) -> None:
@@ -273,7 +397,7 @@ class AddBias(LipschitzModule):
         return x + self.bias
 
     def propagate(self, x_bound: Bound) -> Bound:
-        return x_bound + self.norm_max
+        return add_up(x_bound, norm_up(self.bias))
 
     def sensitivities(self, x_bound: Bound, g_bound: Bound) -> dict[nn.Parameter, Bound]:
         return {self.bias: g_bound} if self.bias.requires_grad else {}
@@ -329,16 +453,17 @@ class Residual(LipschitzModule):
         return 0.5 * (x + self.block(x))
 
     def propagate(self, x_bound: Bound) -> Bound:
-        return 0.5 * (x_bound + _forward_bounds(self.block, x_bound)[-1])
+        return mul_up(0.5, add_up(x_bound, _forward_bounds(self.block, x_bound)[-1]))
 
     def sensitivities(self, x_bound: Bound, g_bound: Bound) -> dict[nn.Parameter, Bound]:
-        return _backward_bounds(self.block, _forward_bounds(self.block, x_bound), 0.5 * g_bound)[0]
+        return _backward_bounds(self.block, _forward_bounds(self.block, x_bound), mul_up(0.5, g_bound))[0]
 
     def backpropagate(self, g_bound: Bound) -> Bound:
         # dL/dx = g/2 + J_block^T (g/2): the block's rule is applied to g/2 itself (ClipGradient's is not linear);
         # gradient rules do not depend on the input bound, so any forward bound serves to walk the block.
-        _, block_g = _backward_bounds(self.block, _forward_bounds(self.block, 1.0), 0.5 * g_bound)
-        return 0.5 * g_bound + block_g
+        half = mul_up(0.5, g_bound)
+        _, block_g = _backward_bounds(self.block, _forward_bounds(self.block, 1.0), half)
+        return add_up(half, block_g)
 
 
 class ClipGradient(LipschitzModule):
@@ -373,7 +498,7 @@ class TauCrossEntropy(LipschitzLoss):
     """CE(tau * logits, y) / tau (deel-lip's convention): its logit gradient softmax(tau z) - onehot(y) has norm
     <= sqrt(2), whatever tau."""
 
-    lipschitz = math.sqrt(2.0)
+    lipschitz = SQRT2_UP
 
     def __init__(self, tau: float = 1.0) -> None:
         super().__init__()
@@ -389,7 +514,7 @@ class MulticlassKR(LipschitzLoss):
     """Kantorovich-Rubinstein, one vs all: -(z_y - mean_{j != y} z_j). Gradient: -1 at y, 1/(K-1) elsewhere,
     norm sqrt(1 + 1/(K-1)) <= sqrt(2) (the bound used)."""
 
-    lipschitz = math.sqrt(2.0)
+    lipschitz = SQRT2_UP
 
     def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         k = logits.shape[1]
@@ -407,7 +532,7 @@ class MulticlassHKR(LipschitzLoss):
             raise ValueError(f"MulticlassHKR: alpha must be finite and >= 0, got {alpha}")
         self.alpha = float(alpha)
         self.hinge, self.kr = MulticlassHinge(margin), MulticlassKR()
-        self.lipschitz = self.alpha * self.hinge.lipschitz + self.kr.lipschitz
+        self.lipschitz = add_up(mul_up(self.alpha, self.hinge.lipschitz), self.kr.lipschitz)
 
     def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.alpha * self.hinge(logits, y) + self.kr(logits, y)
@@ -500,7 +625,7 @@ def _backward_bounds(model: nn.Module, x_bounds: list[Bound], g_bound: Bound) ->
     def add(found: dict[nn.Parameter, Bound]) -> None:
         # A parameter used by several layers has the sum of its uses' gradients: bounds add up.
         for p, bound in found.items():
-            sensitivities[p] = sensitivities.get(p, 0.0) + bound
+            sensitivities[p] = add_up(sensitivities[p], bound) if p in sensitivities else bound
 
     for layer, x_bound in reversed(list(zip(_layers(model), x_bounds[:-1], strict=True))):
         if isinstance(layer, nn.Sequential):
@@ -516,11 +641,12 @@ def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float =
     """Per-example gradient-norm bound Delta_l of every trainable parameter (Algorithm 1 of papers/00, for the
     summed loss: no 1/b). ``input_bound`` is X_0 unless the model starts with :class:`BoundedInput`.
 
-    Bounds that depend on the weights are 0-d tensors on their device (computed without a host synchronisation;
-    each layer's certified norm once per call), the others floats. Raises ValueError for a module without bound
-    rules, a trainable parameter no rule covers, or an infinite bound (no finite input bound anywhere before a
-    parametrised layer). Non-finite weights give non-finite tensor bounds: checking them is the caller's (the
-    trainer checks the parameters once per epoch).
+    Bounds that depend on the weights are float64 0-d tensors on their device (computed without a host
+    synchronisation; each layer's certified norm once per call), the others floats; all are rounded up. Raises
+    ValueError for a module without bound rules, a trainable parameter no rule covers, or an infinite bound (no
+    finite input bound anywhere before a parametrised layer). Non-finite weights give non-finite tensor bounds
+    (+inf where a certified norm meets them): checking them is the caller's (the trainer checks the parameters
+    once per epoch).
     """
     unsupported = _unsupported(model)
     if unsupported:
