@@ -37,7 +37,7 @@ def vgg5_small(classes: int = 10) -> nn.Module:
 def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     if provider == "nonprivate":
         return harness.nonprivate_step(model, x, y, 0.01)
-    variant = Clipless(2.0, sample_rate=x.shape[0] / 50_000, num_examples=50_000, seed=0)
+    variant = Clipless(2.0, sample_rate=x.shape[0] / 50_000, num_examples=50_000)
     return harness.variant_step(variant, model, x, y, 0.01)  # after_step: the projection
 
 

@@ -73,7 +73,7 @@ def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     if provider == "nonprivate":
         return harness.nonprivate_step(model, x, y, LR, micro_batch)
     if provider == "fastdp":
-        variant = DPSGD(CLIP, SIGMA, sample_rate=b / 60_000, num_examples=60_000, seed=0)
+        variant = DPSGD(CLIP, SIGMA, sample_rate=b / 60_000, num_examples=60_000)
         return harness.variant_step(variant, model, x, y, LR, micro_batch)
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer

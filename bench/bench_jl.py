@@ -36,9 +36,9 @@ def make_step(provider: str, x: torch.Tensor, y: torch.Tensor):
     if provider == "nonprivate":
         return harness.nonprivate_step(model, x, y, LR)
     if provider == "dpsgd":
-        variant = DPSGD(CLIP, SIGMA, sample_rate=b / N, num_examples=N, seed=0)
+        variant = DPSGD(CLIP, SIGMA, sample_rate=b / N, num_examples=N)
     else:
-        variant = JL(CLIP, SIGMA, sample_rate=b / N, num_examples=N, projections=int(provider[3:]), seed=0)
+        variant = JL(CLIP, SIGMA, sample_rate=b / N, num_examples=N, projections=int(provider[3:]))
     return harness.variant_step(variant, model, x, y, LR)
 
 

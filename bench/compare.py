@@ -250,10 +250,10 @@ def build_step(job: dict, batch: int):
         return bench_dpsgd.make_step(name, model, x, y, micro), params
     q, clip, sigma = batch / n, bench_dpsgd.CLIP, bench_dpsgd.SIGMA
     variant = {
-        "fastdp-jl": lambda: JL(clip, sigma, q, n, projections=job["jl_projections"], seed=0),
-        "fastdp-backprop": lambda: BackpropClip(INPUT_CLIP, clip, sigma, q, n, seed=0),
-        "fastdp-clipless": lambda: Clipless(sigma, q, n, seed=0),
-        "fastdp-weightclip": lambda: WeightClip(sigma, q, n, seed=0),
+        "fastdp-jl": lambda: JL(clip, sigma, q, n, projections=job["jl_projections"]),
+        "fastdp-backprop": lambda: BackpropClip(INPUT_CLIP, clip, sigma, q, n),
+        "fastdp-clipless": lambda: Clipless(sigma, q, n),
+        "fastdp-weightclip": lambda: WeightClip(sigma, q, n),
     }[provider]()
     return harness.variant_step(variant, model, x, y, bench_dpsgd.LR, micro), params
 

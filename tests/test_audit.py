@@ -124,7 +124,7 @@ class HalvedClaim(DPSGD):
 
 def test_noise_audit_compares_the_claim_with_an_independent_derivation():
     base = build_case("dpsgd", seed=3)
-    case = AuditCase("halved", HalvedClaim(1.0, 1.0, 0.25, 64, seed=3), base.model, "halved std")
+    case = AuditCase("halved", HalvedClaim(1.0, 1.0, 0.25, 64, reproducible_seed=3), base.model, "halved std")
     audit = noise_audit(case, steps=20)
     assert audit.samples_ok  # released what it states...
     assert not audit.claim_ok and not audit.sigma_ok and not audit.passed  # ...but not what it accounts
@@ -160,7 +160,9 @@ class LooseClip(DPSGD):
 
 def test_sensitivity_audit_flags_a_clip_looser_than_claimed():
     base = build_case("dpsgd", seed=3, dtype=torch.float64)
-    case = AuditCase("loose", LooseClip(1.0, 1.0, 0.25, 64, seed=3, mode="reference"), base.model, "loose clip")
+    case = AuditCase(
+        "loose", LooseClip(1.0, 1.0, 0.25, 64, reproducible_seed=3, mode="reference"), base.model, "loose clip"
+    )
     audit = sensitivity_audit(case, search=4)
     assert not audit.passed and audit.max_ratio == pytest.approx(4, rel=1e-4)
 

@@ -66,7 +66,7 @@ def test_noise_on_the_sum_does_not_depend_on_the_batch(batch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(200, 300), nn.ReLU(), nn.Linear(300, 200, bias=False))
     sigma, c1, c2, q, n = 1.2, 0.5, 2.0, 0.1, 1000
-    variant = BackpropClip(c1, c2, sigma, q, n, seed=7, loss_fn=ZeroLoss())
+    variant = BackpropClip(c1, c2, sigma, q, n, reproducible_seed=7, loss_fn=ZeroLoss())
     x, y = torch.randn(batch, 200), torch.zeros(batch, dtype=torch.int64)
     variant.gradient(model, Batch(x, y, torch.ones(batch, dtype=torch.bool)), step=0)
     for p in (model[0].weight, model[2].weight):

@@ -1,6 +1,6 @@
 """Data-parallel DP training (``fastdp.train.distributed``) on 2 CPU processes with gloo: the same update as one
-process (every variant), the noise added once (std sigma C / (qN), secure mode included), bad configurations refused,
-and ``fastdp train --nproc 2`` end to end.
+process (every variant), the noise added once (std sigma C / (qN), OS-entropy keys included), bad configurations
+refused, and ``fastdp train --nproc 2`` end to end.
 
 One group of 2 processes (``torch.multiprocessing.spawn``) runs every scenario once (module fixture); the tests check
 what each rank recorded against single-process runs made here."""
@@ -29,7 +29,18 @@ from tests.variants import make_variant, small_model
 
 WORLD = 2
 N, FEATURES, CLASSES, ROWS = 20_000, 12, 3, 96
-FAST = dict(dataset="breast_cancer", epochs=1, batch_size=64, lr=0.5, momentum=0.9, quiet=True, progress=False)
+# runs are compared with one process: privacy draws keyed by a reproducible seed (NOT FOR RELEASE); the default, OS
+# entropy, is the os_entropy_run scenario
+FAST = dict(
+    dataset="breast_cancer",
+    epochs=1,
+    batch_size=64,
+    lr=0.5,
+    momentum=0.9,
+    quiet=True,
+    progress=False,
+    reproducible_privacy_seed=0,
+)
 RUNS = {  # trainer scenarios, each also run in one process here
     "dpsgd": dict(variant="dpsgd", noise_multiplier=1.0, **FAST),
     "dpsgd_padded": dict(variant="dpsgd", noise_multiplier=1.0, pad=True, micro_batch=16, **FAST),
@@ -39,8 +50,8 @@ VARIANT_NAMES = ["dpsgd", "dpsgd-reference", "jl", "clipless", "weightclip", "ba
 SIGMA, Q, NOISE_N = 2.0, 0.1, 10_000  # the noise scenario: std sigma * C / (q N) = 0.002
 
 
-def _variant(name: str, secure: bool = False):
-    return make_variant(name, 200, N, secure=secure)
+def _variant(name: str):
+    return make_variant(name, 200, N)
 
 
 def _model(name: str) -> nn.Module:
@@ -95,7 +106,7 @@ def _scenario_variants(rank: int, tmp: Path) -> dict:
                 rows = torch.arange(ROWS) if rank == 0 else torch.arange(0)
                 shard = Batch(full.x[rows], full.y[rows], full.mask[rows])
             model = _model(name)
-            loss = parallel.gradient(_variant(name), model, shard, 3, secure=False)
+            loss = parallel.gradient(_variant(name), model, shard, 3, os_entropy=False)
             out[name, split] = (_grads(reference_model), reference_loss, _grads(model), loss)
     return out
 
@@ -104,22 +115,35 @@ def _scenario_noise(rank: int, tmp: Path) -> dict:
     """All rows padding on both ranks: the released gradient is pure noise."""
     parallel, out = DataParallel(), {}
     empty = Batch(torch.zeros(64, 200), torch.zeros(64, dtype=torch.long), torch.zeros(64, dtype=torch.bool))
-    for case, secure, broadcast in (("seeded", False, False), ("secure", True, True), ("secure_unshared", True, False)):
+    for case, key, broadcast in (("seeded", 3, False), ("secure", None, True), ("secure_unshared", None, False)):
         torch.manual_seed(0)
         model = nn.Linear(200, 250)
-        parallel.gradient(DPSGD(1.0, SIGMA, Q, NOISE_N, seed=3, secure=secure), model, empty, 5, secure=broadcast)
+        parallel.gradient(DPSGD(1.0, SIGMA, Q, NOISE_N, reproducible_seed=key), model, empty, 5, os_entropy=broadcast)
         out[case] = torch.cat([g.flatten() for g in _grads(model)])
     torch.manual_seed(0)
     model = nn.Linear(200, 250)
-    DPSGD(1.0, SIGMA, Q, NOISE_N, seed=3).gradient(model, empty, 5)  # one process, same seed and step
+    DPSGD(1.0, SIGMA, Q, NOISE_N, reproducible_seed=3).gradient(model, empty, 5)  # one process, same key and step
     out["single"] = torch.cat([g.flatten() for g in _grads(model)])
     return out
 
 
+def _scenario_jl_tangents(rank: int, tmp: Path) -> dict:
+    """OS-entropy JL on two ranks' shards (micro-batches of 16): the tangent keys every rank used, per step."""
+    parallel, full = DataParallel(), _batch(ROWS)
+    variant, model, used = make_variant("jl", 200, N, reproducible_seed=None), _model("jl"), []
+    real = variant.keys.tangent_key
+    variant.keys.tangent_key = lambda step, r: used.append((step, *real(step, r))) or used[-1][1:]
+    rows = torch.arange(ROWS)[rank::WORLD]
+    for step in (0, 1):
+        shard = [Batch(full.x[i], full.y[i], m) for i, m in micro_batches(rows, full.mask[rows], 16)]
+        parallel.gradient(variant, model, shard, step, os_entropy=True)
+    return {"used": used}
+
+
 def _scenario_secure_run(rank: int, tmp: Path) -> dict:
-    """Secure mode end to end: rank 0's samples and released gradients are shared, so the ranks stay identical (the
-    trainer checks that bitwise every epoch)."""
-    trainer = Trainer(TrainConfig(**{**RUNS["dpsgd"], "secure": True}))
+    """Default keys (OS entropy) end to end: rank 0's samples and released gradients are shared, so the ranks stay
+    identical (the trainer checks that bitwise every epoch)."""
+    trainer = Trainer(TrainConfig(**{**RUNS["dpsgd"], "reproducible_privacy_seed": None}))
     result = trainer.run()
     return {"params": [p.detach().clone() for p in trainer.model.parameters()], "steps": result["steps"],
             "epsilon": result["epsilon"]}  # fmt: skip
@@ -142,6 +166,7 @@ SCENARIOS = {
     "variants": _scenario_variants,
     "noise": _scenario_noise,
     "secure_run": _scenario_secure_run,
+    "jl_tangents": _scenario_jl_tangents,
     "mismatched_seed": _scenario_mismatched_seed,
     "resume_other_world": _scenario_resume_other_world,
 }
@@ -253,6 +278,15 @@ def test_secure_mode_keeps_the_ranks_identical(group):
         assert torch.equal(a, b), "the ranks' models differ"
 
 
+def test_os_entropy_jl_ranks_and_micro_batches_share_each_steps_tangents(group):
+    """Hole 8(b), data-parallel: with OS-entropy keys rank 0 draws each step's tangent key and the other rank uses it:
+    every micro-batch on every rank of a step projects on the same tangents; steps get different keys."""
+    used = [r["used"] for r in _ok(group, "jl_tangents")]
+    keys = [{step: {seed for s, seed, _ in rank if s == step} for step in (0, 1)} for rank in used]
+    assert keys[0] == keys[1] and len(used[1]) >= 2 * 3  # 3 micro-batches a step on rank 1, each drawing tangents
+    assert all(len(k) == 1 for k in keys[0].values()) and keys[0][0] != keys[0][1]
+
+
 def test_mismatched_seeds_are_refused(group):
     for message in _error(group, "mismatched_seed"):
         assert message.startswith("ValueError") and "different settings" in message
@@ -271,14 +305,26 @@ def test_world_size_change_on_resume_is_refused(group):
 def test_cli_nproc_runs_torchrun_and_prints_one_result(tmp_path):
     """``fastdp train --nproc 2``: torchrun, 2 gloo workers, one JSON line and one result file, equal to one process."""
     out = tmp_path / "result.json"
-    args = ["train", "--variant", "dpsgd", "--noise-multiplier", "1", "--epochs", "1", "--quiet"]
+    args = [
+        "train",
+        "--variant",
+        "dpsgd",
+        "--noise-multiplier",
+        "1",
+        "--epochs",
+        "1",
+        "--quiet",
+        "--reproducible-privacy-seed",
+        "0",
+    ]  # compared with one process below
     proc = subprocess.run([sys.executable, "-m", "fastdp.train.cli", *args, "--nproc", "2", "--out", str(out)],
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout
     printed, saved = json.loads(lines[0]), json.loads(out.read_text())
-    expected = Trainer(TrainConfig(variant="dpsgd", noise_multiplier=1.0, epochs=1, quiet=True)).run()
+    expected = Trainer(TrainConfig(variant="dpsgd", noise_multiplier=1.0, epochs=1, quiet=True,
+                                   reproducible_privacy_seed=0)).run()  # fmt: skip
     assert printed["steps"] == saved["steps"] == expected["steps"]
     assert printed["epsilon"] == expected["epsilon"]
     assert math.isclose(saved["history"][-1]["train_loss"], expected["history"][-1]["train_loss"], rel_tol=1e-5)

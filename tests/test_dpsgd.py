@@ -71,10 +71,10 @@ def test_padding_rows_never_change_the_update():
         torch.cat([batch.y, torch.zeros(5, dtype=torch.int64)]),
         torch.cat([batch.mask, torch.zeros(5, dtype=torch.bool)]),
     )
-    for variant in (DPSGD(1.0, 1.3, 0.1, 70, seed=4), NonPrivate()):
+    for make in (lambda: DPSGD(1.0, 1.3, 0.1, 70, reproducible_seed=4), NonPrivate):
         grads = []
-        for b in (batch, padded):
-            variant.gradient(model, b, step=3)
+        for b in (batch, padded):  # one variant object per release: a reproducible key serves a step once
+            make().gradient(model, b, step=3)
             grads.append([p.grad.clone() for p in model.parameters()])
         for a, b in zip(*grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -85,7 +85,7 @@ def test_zero_gradient_step_adds_exactly_the_claimed_noise_std():
     torch.manual_seed(0)
     model = torch.nn.Linear(500, 200)  # 100,200 coordinates
     sigma, clip, q, n = 1.7, 0.8, 0.05, 1000
-    variant = DPSGD(clip, sigma, q, n, seed=11, loss_fn=lambda logits, y: 0.0 * logits.sum(1))
+    variant = DPSGD(clip, sigma, q, n, reproducible_seed=11, loss_fn=lambda logits, y: 0.0 * logits.sum(1))
     x, y = torch.randn(40, 500), torch.zeros(40, dtype=torch.int64)
     variant.gradient(model, Batch(x, y, torch.ones(40, dtype=torch.bool)), step=0)
     noise = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
@@ -97,7 +97,7 @@ def test_zero_gradient_step_adds_exactly_the_claimed_noise_std():
 
 def test_empty_batch_gives_a_noise_only_update_scaled_by_the_expected_size():
     model = _model()
-    variant = DPSGD(1.0, 2.0, 0.01, 1000, seed=2)
+    variant = DPSGD(1.0, 2.0, 0.01, 1000, reproducible_seed=2)
     empty = Batch(torch.zeros(0, 6, dtype=torch.float64), torch.zeros(0, dtype=torch.int64),
                   torch.zeros(0, dtype=torch.bool))  # fmt: skip
     loss = variant.gradient(model, empty, step=0)
@@ -112,7 +112,7 @@ def test_realised_batch_size_is_never_used_for_scaling():
     model = _model()
     for b in (3, 12):
         batch = _batch(b=b)
-        variant = DPSGD(0.1, 0.0, 0.02, 500, seed=0)
+        variant = DPSGD(0.1, 0.0, 0.02, 500, reproducible_seed=0)
         variant.gradient(model, batch, step=0)
         sums, _ = clipped_gradient_sum(model, per_example_cross_entropy, batch, 0.1)
         for p, s in zip(model.parameters(), sums, strict=True):
@@ -120,13 +120,17 @@ def test_realised_batch_size_is_never_used_for_scaling():
 
 
 def test_noise_is_keyed_by_step():
+    """A reproducible key: the same seed and step give the same noise (two variant objects); one variant never
+    releases a step twice (refused); another step gives other noise."""
     model = _model()
-    variant = DPSGD(1.0, 1.0, 0.1, 100, seed=5)
+    first, variant = DPSGD(1.0, 1.0, 0.1, 100, reproducible_seed=5), DPSGD(1.0, 1.0, 0.1, 100, reproducible_seed=5)
     grads = []
-    for step in (0, 0, 1):
-        variant.gradient(model, _batch(), step=step)
+    for v, step in ((first, 0), (variant, 0), (variant, 1)):
+        v.gradient(model, _batch(), step=step)
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
+    with pytest.raises(ValueError, match="refusing a release at step 0: this variant already released step 1"):
+        variant.gradient(model, _batch(), step=0)
 
 
 @pytest.mark.parametrize(
@@ -147,7 +151,7 @@ def test_per_layer_clipping_noise_and_accounting():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 300))
     sigma, bounds, q, n = 1.3, [0.5, 2.0], 0.1, 100
-    variant = DPSGD(bounds, sigma, q, n, seed=3, loss_fn=lambda logits, y: 0.0 * logits.sum(1))
+    variant = DPSGD(bounds, sigma, q, n, reproducible_seed=3, loss_fn=lambda logits, y: 0.0 * logits.sum(1))
     x, y = torch.randn(8, 300), torch.zeros(8, dtype=torch.int64)
     variant.gradient(model, Batch(x, y, torch.ones(8, dtype=torch.bool)), step=0)
     for layer, bound in zip(model, bounds, strict=True):
@@ -178,7 +182,7 @@ def test_per_layer_clipping_bounds_each_layer():
 def test_ghost_and_reference_modes_give_the_same_update():
     model = _model()
     for mode in ("ghost", "reference"):
-        DPSGD(0.2, 1.0, 0.1, 120, seed=9, mode=mode).gradient(model, _batch(), step=4)
+        DPSGD(0.2, 1.0, 0.1, 120, reproducible_seed=9, mode=mode).gradient(model, _batch(), step=4)
         grads = [p.grad.clone() for p in model.parameters()]
         if mode == "ghost":
             ghost = grads

@@ -26,7 +26,7 @@ from tests.variants import make_variant, small_model
 FAST = dict(dataset="breast_cancer", epochs=1, batch_size=64, lr=0.1, hidden=16, noise_multiplier=1.0, quiet=True,
             progress=False)  # fmt: skip
 MODELS = {"clipless": "lipschitz_mlp", "weightclip": "weightclip_mlp"}
-EXTRA = {"jl": dict(accountant="pld", projections=3)}
+EXTRA = {"jl": dict(accountant="pld", projections=10)}  # r = 3 at sigma = 1: refused (the noise's truncation bound)
 
 
 def _config(variant: str, **overrides) -> TrainConfig:
@@ -151,7 +151,7 @@ def test_dpsgd_drops_non_finite_examples_under_low_precision(precision):
     model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))  # 1e38 inputs: inf logits, NaN loss
     results = []
     for b in (batch, clean):
-        variant = DPSGD(1.0, 1.0, 0.1, 120, seed=1)
+        variant = DPSGD(1.0, 1.0, 0.1, 120, reproducible_seed=1)
         variant.set_precision(precision)
         sums, loss = variant.clipped_sum(model, b, 0)
         results.append((sums, loss, int(variant.nonfinite_examples)))
@@ -160,7 +160,7 @@ def test_dpsgd_drops_non_finite_examples_under_low_precision(precision):
     for s, c in zip(sums, clean_sums, strict=True):  # the same rows, up to the rounding of a different GEMM shape
         torch.testing.assert_close(s, c, rtol=1e-2, atol=1e-4)
     torch.testing.assert_close(loss, clean_loss, rtol=1e-2, atol=1e-3)
-    variant = DPSGD(1.0, 1.0, 0.1, 120, seed=1)
+    variant = DPSGD(1.0, 1.0, 0.1, 120, reproducible_seed=1)
     variant.set_precision(precision)
     variant.gradient(model, batch, 0)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
@@ -384,7 +384,11 @@ BAD_OPTIONS = {
     "unknown-compile-backend": (dict(compile="default", compile_backend="cudagraphs"), ValueError,
                                 "unsupported torch.compile backend 'cudagraphs'"),
     "resume-without-checkpoint": (dict(resume=True), ValueError, "--resume needs --checkpoint PATH"),
-    "secure-with-shuffle": (dict(secure=True, shuffle=True), ValueError, "--secure cannot be combined with --shuffle"),
+    "shuffle-with-default-keys": (dict(shuffle=True), ValueError, "--shuffle is not for a private release"),
+    "secure-with-reproducible-seed": (dict(secure=True, reproducible_privacy_seed=1), ValueError,
+                                      "--secure refuses what is not for release"),
+    "reproducible-seed-negative": (dict(reproducible_privacy_seed=-1), ValueError,
+                                   r"reproducible privacy seed must be None \(privacy draws from OS entropy"),
     "unknown-dataset": (dict(dataset="imagenet"), ValueError, "unknown dataset 'imagenet'"),
     "missing-data-dir": (dict(dataset="yeast", data_dir="/nonexistent"), FileNotFoundError, "FASTDP_DATA_DIR"),
     "unknown-model": (dict(model="resnet"), ValueError, "unknown model 'resnet'"),

@@ -17,10 +17,10 @@ from fastdp.algorithms.jl import (
     jl_projections,
     norm_estimates,
     reweighted_gradient_sum,
-    tangent_seed,
 )
 from fastdp.privacy.accounting import PrivacyAccountant, get_noise_multiplier
 from fastdp.privacy.jl import jl_epsilon, jl_epsilon_of_runs
+from fastdp.privacy.rng import PrivacyKeys, tangent_seed
 from fastdp.train.trainer import TrainConfig, Trainer, train
 
 
@@ -54,9 +54,9 @@ def test_jvp_projections_equal_per_example_gradient_dot_tangent(kind, chunk):
     model = _model(kind)
     x, y = _data(kind)
     r, seed, step = 5, 123, 4
-    p = jl_projections(model, loss_fn, x, y, r, seed, step, chunk=chunk)
+    p = jl_projections(model, loss_fn, x, y, r, PrivacyKeys(seed), step, chunk=chunk)
     params = [q for q in model.parameters() if q.requires_grad]
-    tangents = draw_tangents(params, seed, step, r, 0, r, secure=False)
+    tangents = draw_tangents(params, PrivacyKeys(seed), step, r, 0, r)
     v = torch.cat([t.reshape(r, -1) for t in tangents], dim=1)  # [r, d]
     expected = _flat_per_example(model, x, y) @ v.t()
     torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
@@ -64,15 +64,16 @@ def test_jvp_projections_equal_per_example_gradient_dot_tangent(kind, chunk):
 
 def test_tangents_are_fresh_per_step_shared_by_chunks_and_independent_of_the_noise_key():
     params = [torch.zeros(4, 5), torch.zeros(3)]
-    a = draw_tangents(params, 9, step=2, projections=4, first=0, count=4, secure=False)
-    b = draw_tangents(params, 9, step=2, projections=4, first=2, count=2, secure=False)
+    keys = PrivacyKeys(9)
+    a = draw_tangents(params, keys, step=2, projections=4, first=0, count=4)
+    b = draw_tangents(params, keys, step=2, projections=4, first=2, count=2)
     torch.testing.assert_close(a[0][2:], b[0], rtol=0, atol=0)  # tangent j does not depend on the chunking
-    c = draw_tangents(params, 9, step=3, projections=4, first=0, count=4, secure=False)
+    c = draw_tangents(params, keys, step=3, projections=4, first=0, count=4)
     assert not torch.equal(a[0], c[0])  # fresh every step
     assert tangent_seed(9) != 9 and 0 <= tangent_seed(2**63 - 1) < 2**63
-    s1 = draw_tangents(params, 9, 0, 1, 0, 1, secure=True)
-    s2 = draw_tangents(params, 9, 0, 1, 0, 1, secure=True)
-    assert not torch.equal(s1[0], s2[0])  # OS entropy
+    s1 = draw_tangents(params, PrivacyKeys(), 0, 1, 0, 1)
+    s2 = draw_tangents(params, PrivacyKeys(), 0, 1, 0, 1)
+    assert not torch.equal(s1[0], s2[0])  # OS entropy (the default)
 
 
 def test_norm_estimate_is_unbiased_and_follows_the_chi_law():
@@ -81,7 +82,9 @@ def test_norm_estimate_is_unbiased_and_follows_the_chi_law():
     x, y = _data(b=4)
     true = _flat_per_example(model, x, y).norm(dim=1)
     r, steps = 3, 250
-    ratios = torch.stack([norm_estimates(jl_projections(model, loss_fn, x, y, r, 5, s)) / true for s in range(steps)])
+    ratios = torch.stack(
+        [norm_estimates(jl_projections(model, loss_fn, x, y, r, PrivacyKeys(5), s)) / true for s in range(steps)]
+    )
     mean_sq = ratios.pow(2).mean().item()
     assert abs(mean_sq - 1) < 4 * math.sqrt(2 / r / ratios.numel()), mean_sq  # std of chi2_r / r is sqrt(2 / r)
     law = stats.chi(r, scale=1 / math.sqrt(r))
@@ -104,7 +107,7 @@ def test_with_exact_norms_the_update_is_dpsgds():
     x, y = _data(b=9)
     batch = Batch(x, y, torch.ones(9, dtype=torch.bool))
     clip = 0.05
-    jl = JL(clip, 0.7, sample_rate=0.1, num_examples=90, projections=4, seed=11)
+    jl = JL(clip, 0.7, sample_rate=0.1, num_examples=90, projections=4, reproducible_seed=11)
     exact = _flat_per_example(model, x, y).norm(dim=1)
     jl.clip_weights = lambda *_: (clip / (exact + 1e-6)).clamp(max=1.0)
     jl.gradient(model, batch, step=3)
@@ -112,7 +115,9 @@ def test_with_exact_norms_the_update_is_dpsgds():
     sums, _ = clipped_gradient_sum(model, loss_fn, batch, clip)
     torch.testing.assert_close(reweighted_gradient_sum(model, loss_fn, batch, jl.clip_weights())[0], sums,
                                rtol=1e-5, atol=1e-7)  # fmt: skip
-    DPSGD(clip, 0.7, sample_rate=0.1, num_examples=90, seed=11, mode="reference").gradient(model, batch, step=3)
+    DPSGD(clip, 0.7, sample_rate=0.1, num_examples=90, reproducible_seed=11, mode="reference").gradient(
+        model, batch, step=3
+    )
     for a, p in zip(ours, model.parameters(), strict=True):
         torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
 
@@ -123,7 +128,7 @@ def test_noise_std_on_the_mean_is_sigma_c_over_expected_batch():
     x = torch.randn(3, 200)
     batch = Batch(x, y, torch.zeros(3, dtype=torch.bool))  # all padding: the released gradient is pure noise
     sigma, clip, q, n = 1.3, 0.4, 0.05, 200
-    JL(clip, sigma, q, n, projections=2, seed=3).gradient(model, batch, step=0)
+    JL(clip, sigma, q, n, projections=2, reproducible_seed=3).gradient(model, batch, step=0)
     noise = torch.cat([p.grad.flatten() for p in model.parameters()])
     expected = sigma * clip / (q * n)
     assert abs(noise.std().item() / expected - 1) < 0.03
@@ -135,9 +140,9 @@ def test_clip_weights_bound_the_estimated_norm_and_zero_padding():
     x, y = _data(b=6)
     x = 100 * x
     mask = torch.tensor([True, True, False, True, True, False])
-    jl = JL(0.1, 1.0, 0.1, 60, projections=3, seed=0)
+    jl = JL(0.1, 1.0, 0.1, 60, projections=3, reproducible_seed=0)
     w = jl.clip_weights(model, Batch(x, y, mask), step=0)
-    m = norm_estimates(jl_projections(model, loss_fn, x, y, 3, 0, 0))
+    m = norm_estimates(jl_projections(model, loss_fn, x, y, 3, PrivacyKeys(0), 0))
     assert torch.all(w[~mask] == 0)
     assert torch.all(w[mask] * m[mask] <= 0.1 * (1 + 1e-6))
     assert torch.all(w <= 1)

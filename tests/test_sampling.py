@@ -11,7 +11,7 @@ P_REJECT = 1e-6
 
 def test_poisson_inclusion_frequency_is_q():
     n, q, steps = 500, 0.03, 400
-    sampler = PoissonSampler(n, q, seed=1)
+    sampler = PoissonSampler(n, q, reproducible_seed=1)
     counts = torch.zeros(n)
     sizes = []
     for _ in range(steps):
@@ -27,28 +27,32 @@ def test_poisson_inclusion_frequency_is_q():
 
 
 def test_poisson_batches_can_be_empty_and_epoch_length_is_one_over_q():
-    sampler = PoissonSampler(10, 0.01, seed=0)
+    sampler = PoissonSampler(10, 0.01)
     assert len(sampler) == 100
     assert sampler.expected_batch_size == pytest.approx(0.1)
     assert any(b.numel() == 0 for b in sampler)
 
 
-def test_poisson_is_reproducible_and_resumable():
-    a, b = PoissonSampler(100, 0.1, seed=3), PoissonSampler(100, 0.1, seed=3)
+def test_poisson_is_reproducible_and_resumable_with_a_reproducible_seed():
+    a, b = PoissonSampler(100, 0.1, reproducible_seed=3), PoissonSampler(100, 0.1, reproducible_seed=3)
     first = [a.sample() for _ in range(5)]
     assert all(torch.equal(x, b.sample()) for x in first)
     state = a.state_dict()
     ahead = [a.sample() for _ in range(3)]
-    c = PoissonSampler(100, 0.1, seed=99)
+    c = PoissonSampler(100, 0.1, reproducible_seed=99)
     c.load_state_dict(state)
     assert all(torch.equal(x, c.sample()) for x in ahead)
+    with pytest.raises(ValueError, match="OS-entropy draws"):  # an OS-entropy sampler's state into a seeded one
+        c.load_state_dict(PoissonSampler(100, 0.1).state_dict())
 
 
-def test_secure_poisson_uses_os_entropy():
-    sampler = PoissonSampler(10_000, 0.5, secure=True)
+def test_poisson_draws_from_os_entropy_by_default():
+    sampler, other = PoissonSampler(10_000, 0.5), PoissonSampler(10_000, 0.5)
+    assert not sampler.reproducible and sampler.generator is None
     a, b = sampler.sample(), sampler.sample()
-    assert not torch.equal(a, b)
+    assert not torch.equal(a, b) and not torch.equal(a, other.sample())  # two default samplers: different batches
     assert abs(a.numel() - 5000) < 5 * (10_000 * 0.25) ** 0.5
+    assert sampler.state_dict() == {"kind": "poisson"}  # nothing to save or replay
 
 
 def test_shuffle_sampler_fixed_size_each_example_once_per_epoch():
@@ -85,6 +89,8 @@ def test_physical_batch_size_covers_the_binomial_tail():
         (lambda: PoissonSampler(0, 0.1), "at least one example"),
         (lambda: PoissonSampler(10, 0.0), r"\(0, 1\]"),
         (lambda: PoissonSampler(10, 1.5), r"\(0, 1\]"),
+        (lambda: PoissonSampler(10, 0.5, reproducible_seed=-1), "reproducible_seed must be None"),
+        (lambda: PoissonSampler(10, 0.5, reproducible_seed=1.5), "reproducible_seed must be None"),
         (lambda: ShuffleSampler(10, 11), "batch size"),
         (lambda: pad_batch(torch.arange(3), 0), ">= 1"),
     ],

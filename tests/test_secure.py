@@ -1,6 +1,7 @@
-"""Secure mode end to end (``--secure``): every privacy draw of a run (noise, Poisson sampling, JL tangents) comes from
-the OS entropy source and never from a seeded generator; two secure runs with one seed release different noise and
-sample different batches; the split and the initialisation stay seeded (not privacy draws)."""
+"""Privacy randomness end to end: by default every privacy draw of a run (noise, Poisson sampling, JL tangents) comes
+from the OS entropy source and never from a seeded generator; two default runs with one seed release different noise
+and sample different batches; only --reproducible-privacy-seed makes them repeat (labelled NOT FOR RELEASE); the
+split and the initialisation stay seeded by --seed (not privacy draws); --secure refuses anything not for release."""
 
 import os
 import random
@@ -16,7 +17,7 @@ from fastdp.train.trainer import TrainConfig, Trainer
 
 PRIVATE = {
     "dpsgd": dict(),
-    "jl": dict(accountant="pld", projections=3),
+    "jl": dict(accountant="pld", projections=10),
     "clipless": dict(model="lipschitz_mlp"),
     "weightclip": dict(model="weightclip_mlp"),
     "backprop": dict(),
@@ -38,16 +39,19 @@ def _released_noise(trainer: Trainer) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("variant", list(PRIVATE))
-def test_one_seed_gives_different_noise_and_batches_only_in_secure_mode(variant):
-    for secure in (False, True):
-        a, b = Trainer(_config(variant, secure=secure)), Trainer(_config(variant, secure=secure))
+def test_one_seed_gives_different_noise_and_batches_unless_a_reproducible_privacy_seed_is_given(variant):
+    for key in (None, 5):
+        a = Trainer(_config(variant, reproducible_privacy_seed=key))
+        b = Trainer(_config(variant, reproducible_privacy_seed=key))
         for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):  # init: seeded in both modes
             assert torch.equal(p, q)
         assert torch.equal(a.data.x_train, b.data.x_train)  # split: seeded in both modes
         noise_a, noise_b = _released_noise(a), _released_noise(b)
         same_noise = all(torch.equal(x, y) for x, y in zip(noise_a, noise_b, strict=True))
         same_batches = all(torch.equal(a.sampler.sample(), b.sampler.sample()) for _ in range(3))
-        assert same_noise == same_batches == (not secure), (variant, secure)
+        assert same_noise == same_batches == (key is not None), (variant, key)
+        label = "os-entropy" if key is None else "reproducible (NOT FOR RELEASE)"
+        assert a.variant.describe()["privacy_randomness"] == label
 
 
 class _Forbidden:
@@ -74,8 +78,8 @@ _SEEDED_DRAWS = {
 
 
 @pytest.mark.parametrize("variant", list(PRIVATE))
-def test_secure_privacy_draws_come_from_os_urandom_and_never_from_seeded_generators(variant, monkeypatch):
-    trainer = Trainer(_config(variant, secure=True))
+def test_default_privacy_draws_come_from_os_urandom_and_never_from_seeded_generators(variant, monkeypatch):
+    trainer = Trainer(_config(variant))
     # the seeded paths raise: torch/numpy/random draw functions, and the sampler's own seeded generator
     for owner, names in _SEEDED_DRAWS.items():
         for name in names:
@@ -108,19 +112,37 @@ def test_secure_privacy_draws_come_from_os_urandom_and_never_from_seeded_generat
     assert steps == len(trainer.sampler) and trainer.accountant.steps == steps
     # sampling: one os.urandom call of 8 bytes per example per step
     assert [len(b) for b in sampler_bytes] == [8 * trainer.data.x_train.shape[0]] * steps
-    # noise (and tangents): every kernel call keyed by two 63-bit values read from the OS entropy source, 4-draw sums
+    # noise: every kernel call keyed by two 63-bit values read from the OS entropy source, 4-draw sums; JL tangents:
+    # one OS-entropy key per step (shared by the step's micro-batches), tangent j at counter j, 4-draw sums
     os_values = {int.from_bytes(b, "big") >> 1 for b in key_bytes if len(b) == 8}  # secrets.randbits(63)
-    assert draws and len(draws) >= steps
-    for seed, offset, num_draws in draws:
-        assert seed in os_values and offset in os_values and num_draws == SECURE_DRAWS
-    assert len({(seed, offset) for seed, offset, _ in draws}) == len(draws)  # never a key twice
-    if variant == "jl":  # r tangents per step on top of the noise, each its own OS-entropy key
-        assert len(draws) >= steps * (1 + PRIVATE["jl"]["projections"])
+    r = PRIVATE.get(variant, {}).get("projections", 0)
+    noise = [(seed, offset) for seed, offset, _ in draws if offset in os_values]
+    tangents = [(seed, offset) for seed, offset, _ in draws if offset not in os_values]
+    assert all(num_draws == SECURE_DRAWS for *_, num_draws in draws)
+    assert len(noise) == steps and all(seed in os_values for seed, _ in noise)
+    assert len(set(noise)) == len(noise)  # never a key twice
+    if variant == "jl":  # r tangents per step, one key per step
+        assert len(tangents) == steps * r and len(set(tangents)) == len(tangents)
+        assert {offset for _, offset in tangents} == set(range(r))
+        assert len({seed for seed, _ in tangents}) == steps and all(seed in os_values for seed, _ in tangents)
+    else:
+        assert not tangents
     # nothing was drawn from the seeded global generator during training
     assert torch.equal(torch.get_rng_state(), global_state)
-    assert "OS entropy" in result["note_secure"] and "seeded" in result["note_secure"]
+    assert result["privacy_randomness"] == "os-entropy"
+    assert "OS entropy" in result["note_privacy_randomness"] and "seeded" in result["note_privacy_randomness"]
 
 
-def test_secure_mode_refuses_shuffled_batches():
-    with pytest.raises(ValueError, match="--secure cannot be combined with --shuffle"):
-        Trainer(_config("dpsgd", secure=True, shuffle=True))
+def test_shuffled_batches_need_a_reproducible_key_and_secure_refuses_it():
+    with pytest.raises(ValueError, match="--shuffle is not for a private release"):
+        Trainer(_config("dpsgd", shuffle=True))
+    with pytest.raises(ValueError, match="--secure refuses what is not for release"):
+        Trainer(_config("dpsgd", secure=True, reproducible_privacy_seed=1))
+    with pytest.raises(ValueError, match="--secure refuses what is not for release"):
+        Trainer(_config("dpsgd", secure=True, shuffle=True, reproducible_privacy_seed=1))
+    result = Trainer(_config("dpsgd", shuffle=True, reproducible_privacy_seed=1)).run()  # an experiment: labelled
+    assert (
+        result["privacy_randomness"] == "reproducible (NOT FOR RELEASE)"
+        and "NOT FOR RELEASE" in result["note_privacy_randomness"]
+    )
+    assert Trainer(_config("dpsgd", secure=True)).run()["privacy_randomness"] == "os-entropy"

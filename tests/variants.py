@@ -11,18 +11,19 @@ VARIANT_NAMES = ("dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "clipless"
                  "nonprivate")  # fmt: skip
 
 
-def make_variant(name: str, expected_batch: float, num_examples: int, secure: bool = False):
-    """Variant ``name`` (C = 1, sigma = 1, noise seed 7) at sample rate expected_batch / num_examples; ``secure``
-    for the DP-SGD ones."""
-    q, n = expected_batch / num_examples, num_examples
+def make_variant(name: str, expected_batch: float, num_examples: int, reproducible_seed: int | None = 7):
+    """Variant ``name`` (C = 1, sigma = 1) at sample rate expected_batch / num_examples, its privacy draws keyed by
+    the reproducible seed 7 (NOT FOR RELEASE; the tests compare runs bitwise), or from OS entropy with
+    ``reproducible_seed=None`` (the default of the library)."""
+    q, n, key = expected_batch / num_examples, num_examples, reproducible_seed
     return {
-        "dpsgd": lambda: DPSGD(1.0, 1.0, q, n, seed=7, secure=secure),
-        "dpsgd-reference": lambda: DPSGD(1.0, 1.0, q, n, seed=7, mode="reference", secure=secure),
-        "dpsgd-per-layer": lambda: DPSGD([0.5, 0.7, 0.9], 1.0, q, n, seed=7, secure=secure),
-        "jl": lambda: JL(1.0, 1.0, q, n, projections=3, seed=7),
-        "clipless": lambda: Clipless(1.0, q, n, seed=7),
-        "weightclip": lambda: WeightClip(1.0, q, n, seed=7),
-        "backprop": lambda: BackpropClip(1.0, 1.0, 1.0, q, n, seed=7),
+        "dpsgd": lambda: DPSGD(1.0, 1.0, q, n, reproducible_seed=key),
+        "dpsgd-reference": lambda: DPSGD(1.0, 1.0, q, n, reproducible_seed=key, mode="reference"),
+        "dpsgd-per-layer": lambda: DPSGD([0.5, 0.7, 0.9], 1.0, q, n, reproducible_seed=key),
+        "jl": lambda: JL(1.0, 1.0, q, n, projections=3, reproducible_seed=key),
+        "clipless": lambda: Clipless(1.0, q, n, reproducible_seed=key),
+        "weightclip": lambda: WeightClip(1.0, q, n, reproducible_seed=key),
+        "backprop": lambda: BackpropClip(1.0, 1.0, 1.0, q, n, reproducible_seed=key),
         "nonprivate": NonPrivate,
     }[name]()
 

@@ -3,8 +3,9 @@ hyperparameter grid, and the seeds it is tuned and evaluated on.
 
 Protocol (the same for every cell): every grid point is trained on the *tuning* seeds; the point with the best mean
 metric (ties: the first in grid order) is then trained on the *evaluation* seeds, whose mean ± std is reported. A
-seed fixes the stratified train/test split, the initialisation, the Poisson batches and the noise, so tuning and
-evaluation use different splits. Like the papers, the privacy cost of this tuning is not accounted: each reported
+seed fixes the stratified train/test split, the initialisation and (as the reproducible privacy seed: these runs
+are experiments, labelled NOT FOR RELEASE) the Poisson batches and the noise, so tuning and evaluation use different
+splits and every run can be replayed. Like the papers, the privacy cost of this tuning is not accounted: each reported
 epsilon is that of one training run.
 
 Every setting not listed in a grid is the :class:`fastdp.train.trainer.TrainConfig` default (RDP accountant, Poisson
@@ -84,6 +85,7 @@ class Cell:
             "epsilon": self.epsilon,
             "delta": self.delta,
             "seed": seed,
+            "reproducible_privacy_seed": seed,
             "data_dir": data_dir,
         }
 

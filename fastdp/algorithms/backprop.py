@@ -34,6 +34,7 @@ from fastdp.nn.backprop import (
     reset_calls,
 )
 from fastdp.privacy.accounting import zcdp_rho, zcdp_to_epsilon
+from fastdp.privacy.rng import PrivacyKeys
 
 
 class BackpropClip(Variant):
@@ -53,8 +54,7 @@ class BackpropClip(Variant):
         noise_multiplier: float,
         sample_rate: float,
         num_examples: int,
-        seed: int = 0,
-        secure: bool = False,
+        reproducible_seed: int | None = None,
         loss_fn=per_example_cross_entropy,
     ) -> None:
         super().__init__(loss_fn)
@@ -69,14 +69,14 @@ class BackpropClip(Variant):
         self.noise_multiplier = float(noise_multiplier)
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = self.sample_rate * num_examples
-        self.seed, self.secure = seed, secure
+        self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
         self.tensors = 0
         self._prepared: set[int] = set()
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> BackpropClip:
-        return cls(config.input_clip, config.clip_norm, noise_multiplier, sample_rate, num_examples, seed=noise_seed,
-                   secure=config.secure)  # fmt: skip
+        return cls(config.input_clip, config.clip_norm, noise_multiplier, sample_rate, num_examples,
+                   reproducible_seed=noise_seed)  # fmt: skip
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Convert the model's layers to backprop-clip layers once per model (in place)."""
@@ -98,7 +98,7 @@ class BackpropClip(Variant):
         self.tensors = len(params)
         scale = self.noise_multiplier * math.sqrt(len(params))
         stds = [scale * sensitivities[p] for p in params]  # on the sum; divided by q N once, below
-        release_noisy_mean(params, sums, stds, self.expected_batch_size, self.seed, step, self.secure)
+        release_noisy_mean(params, sums, stds, self.expected_batch_size, self.keys, step)
 
     def privacy_event(self) -> tuple[float, float]:
         return self.noise_multiplier, self.sample_rate
@@ -121,4 +121,5 @@ class BackpropClip(Variant):
             "noise_multiplier_per_tensor": self.noise_multiplier * math.sqrt(max(self.tensors, 1)),
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
+            "privacy_randomness": self.keys.label,
         }

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from fastdp.nn.layers import own_trainable
 from fastdp.ops import add_noise_
+from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 
 # Training precisions: the autocast dtype of the model's forward (and thereby its backward); None is plain fp32.
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -363,12 +364,12 @@ def release_noisy_mean(
     sums: list[torch.Tensor],
     stds: list[float] | torch.Tensor,
     expected_batch_size: float,
-    seed: int,
+    keys: PrivacyKeys,
     step: int,
-    secure: bool,
 ) -> None:
-    """p.grad = (sum + N(0, std^2)) / (q N) for each parameter: the noise is keyed by (seed, step) or, secure,
-    drawn from OS entropy; the divisor is the expected batch size, never the realised one.
+    """p.grad = (sum + N(0, std^2)) / (q N) for each parameter: the noise is keyed by ``keys.noise_key(step)`` (OS
+    entropy by default; a reproducible key refuses a step it already released) and every value is a 4-draw sum
+    (``fastdp.privacy.rng``); the divisor is the expected batch size, never the realised one.
 
     ``stds`` may be a tensor on the sums' device (stds that depend on the weights, e.g. Lipschitz bounds): the
     noise is then added as ``std * (sum / std + N(0, 1))``, the same Gaussian mechanism, with the std never read
@@ -376,23 +377,22 @@ def release_noisy_mean(
     if isinstance(stds, torch.Tensor):
         scale = [s.to(total.dtype) for s, total in zip(stds.clamp_min(1e-30).unbind(), sums, strict=True)]
         torch._foreach_div_(sums, scale)
-        _add_noise(sums, 1.0, seed, step, secure)
+        _add_noise(sums, 1.0, keys, step)
         torch._foreach_mul_(sums, scale)
     else:
-        _add_noise(sums, stds, seed, step, secure)
+        _add_noise(sums, stds, keys, step)
     if expected_batch_size != 1.0:  # 1.0: the caller folded the division into the sums and stds
         torch._foreach_div_(sums, expected_batch_size)
     for p, total in zip(params, sums, strict=True):
         p.grad = total.to(p.dtype)  # cast after the noise: post-processing
 
 
-def _add_noise(sums: list[torch.Tensor], stds, seed: int, step: int, secure: bool) -> None:
+def _add_noise(sums: list[torch.Tensor], stds, keys: PrivacyKeys, step: int) -> None:
     if torch.compiler.is_compiling():  # drawn eagerly, outside any graph (see draw_eagerly)
-        _add_noise_eagerly(sums, stds, seed, step, secure)
-    elif secure:
-        add_noise_(sums, stds, secure=True)
-    else:
-        add_noise_(sums, stds, seed=seed, offset=step)
+        _add_noise_eagerly(sums, stds, keys, step)
+        return
+    seed, offset = keys.noise_key(step)  # here, eagerly: a graph never captures a key
+    add_noise_(sums, stds, seed=seed, offset=offset, num_draws=NOISE_DRAWS)
 
 
 def draw_eagerly(fn):

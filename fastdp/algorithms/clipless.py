@@ -32,6 +32,7 @@ from fastdp.algorithms.base import (
 from fastdp.nn.clip import clip_rows
 from fastdp.nn.lipschitz import LipschitzLoss, TauCrossEntropy, lipschitz_bounds, mul_up, project_, sqrt_up, sum_up
 from fastdp.ops.spectral import deferred_finite_checks
+from fastdp.privacy.rng import PrivacyKeys
 from fastdp.ref.spectral import round_up
 
 STRATEGIES = ("per-layer", "global")
@@ -55,8 +56,7 @@ class Clipless(Variant):
         input_bound: float | None = None,  # X_0 enforced here by projecting inputs; None: the model's BoundedInput
         loss: LipschitzLoss | None = None,
         strategy: str = "per-layer",
-        seed: int = 0,
-        secure: bool = False,
+        reproducible_seed: int | None = None,
     ) -> None:
         loss = loss or TauCrossEntropy()
         if not isinstance(loss, LipschitzLoss):
@@ -75,15 +75,14 @@ class Clipless(Variant):
             raise ValueError(f"input bound X_0 must be finite and > 0, got {input_bound}")
         self.input_bound = input_bound
         self.strategy = strategy
-        self.seed = seed
-        self.secure = secure
+        self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
         self.last_bounds: torch.Tensor | None = None  # Delta_l of the last step, one per trainable tensor
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> Clipless:
         # the input bound X_0 lives in the model (BoundedInput, see fastdp.train.models)
         return cls(noise_multiplier, sample_rate, num_examples, loss=TauCrossEntropy(config.tau),
-                   strategy=config.noise_strategy, seed=noise_seed, secure=config.secure)  # fmt: skip
+                   strategy=config.noise_strategy, reproducible_seed=noise_seed)  # fmt: skip
 
     def noise_stds(self, model: torch.nn.Module) -> torch.Tensor:
         """Noise std on the summed gradient of every trainable parameter, from the current bounds: a float32 tensor
@@ -121,8 +120,7 @@ class Clipless(Variant):
         # the bounds are those of the weights the sums were computed with (the step has not changed them yet)
         with deferred_finite_checks():  # no host sync in the step; the trainer checks the weights every epoch
             stds = self.noise_stds(model)
-        release_noisy_mean(trainable_parameters(model), sums, stds, self.expected_batch_size, self.seed, step,
-                           self.secure)  # fmt: skip
+        release_noisy_mean(trainable_parameters(model), sums, stds, self.expected_batch_size, self.keys, step)
 
     def after_step(self, model: torch.nn.Module) -> None:
         with deferred_finite_checks():
@@ -142,6 +140,7 @@ class Clipless(Variant):
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
             "gradient_bounds": [] if self.last_bounds is None else self.last_bounds.tolist(),
+            "privacy_randomness": self.keys.label,
         }
 
 

@@ -79,6 +79,7 @@ from fastdp.nn import (
 )
 from fastdp.ops import clip_factors
 from fastdp.privacy.accounting import per_layer_noise_multiplier
+from fastdp.privacy.rng import PrivacyKeys
 
 NORM_EPS = 1e-6  # in the clip factor's denominator (Opacus' convention)
 MODES = ("ghost", "reference")
@@ -304,8 +305,7 @@ class DPSGD(Variant):
         noise_multiplier: float,
         sample_rate: float,
         num_examples: int,
-        seed: int = 0,
-        secure: bool = False,
+        reproducible_seed: int | None = None,
         mode: str = "ghost",
         loss_fn=per_example_cross_entropy,
     ) -> None:
@@ -323,16 +323,14 @@ class DPSGD(Variant):
         self.noise_multiplier = float(noise_multiplier)
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = self.sample_rate * num_examples
-        self.seed = seed
-        self.secure = secure
+        self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
         self.mode = mode
         self._prepared: set[int] = set()
         self.nonfinite_examples: torch.Tensor | int = 0  # bf16/fp16: real examples left out as not finite, so far
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> DPSGD:
-        return cls(config.clip_norm, noise_multiplier, sample_rate, num_examples, seed=noise_seed,
-                   secure=config.secure)  # fmt: skip
+        return cls(config.clip_norm, noise_multiplier, sample_rate, num_examples, reproducible_seed=noise_seed)
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Ghost mode: convert torch layers to DP layers once per model (in place; parameters are kept)."""
@@ -377,7 +375,7 @@ class DPSGD(Variant):
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)
         stds = [std / self.expected_batch_size for std in self._noise_stds(model, params)]
-        release_noisy_mean(params, sums, stds, 1.0, self.seed, step, self.secure)
+        release_noisy_mean(params, sums, stds, 1.0, self.keys, step)
 
     def privacy_event(self) -> tuple[float, float]:
         if isinstance(self.clip_norm, float):
@@ -397,4 +395,5 @@ class DPSGD(Variant):
             "precision": self.precision,
             "loss_scale": self.loss_scale,
             "nonfinite_examples": int(self.nonfinite_examples),
+            "privacy_randomness": self.keys.label,
         }

@@ -8,9 +8,12 @@ One step, for the batch B (Poisson-sampled with rate q from N examples), with F(
     G        = grad of sum_i w_i loss_i  + N(0, (sigma C)^2 I)       one ordinary backward
     grad     = G / (q N)
 
-The tangents come from fastdp's counter-based noise stream under a key of their own (the noise seed mixed with a
-constant), counter ``step * r + j``: they are generated on the device, one at a time, never stored r x d, and never
-reused across steps; ``secure`` draws them from OS entropy like the noise.
+The tangents come from fastdp's counter-based noise stream (4-draw sums, like the noise) under a key of their own:
+by default one OS-entropy key per step, drawn the first time the step is seen and kept until its release, so every
+micro-batch of a logical step (and, data-parallel, every rank) projects on the same r tangents, as the analysis
+assumes (one set per step); with a reproducible seed (NOT FOR RELEASE) the noise seed mixed with a constant, counter
+``step * r + j`` (``fastdp.privacy.rng.PrivacyKeys.tangent_key``). They are generated on the device, one at a
+time, never stored r x d, and never reused across steps.
 
 Privacy. w_i g_i can exceed C when M_i under-estimates ||g_i||, so a step is not a Gaussian mechanism with
 sensitivity C: it is dominated by a Gaussian mechanism whose sensitivity Z_r = (chi2_r / r)^(-1/2) is random and
@@ -44,10 +47,9 @@ from fastdp.algorithms.base import (
 )
 from fastdp.nn import mixes_examples
 from fastdp.ops import add_noise_
+from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 
 NORM_EPS = 1e-6  # in the clip factor's denominator, as in DP-SGD
-TANGENT_KEY = 0x4A4C_7461_6E67_656E  # mixed into the noise seed: the tangents' own stream ("JLtangen")
-SEED_MASK = (1 << 63) - 1
 _STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
@@ -66,27 +68,19 @@ def check_deterministic_per_example(model: nn.Module) -> None:
         )
 
 
-def tangent_seed(seed: int) -> int:
-    """Key of the tangent stream for noise seed ``seed`` (a different Philox key: independent of the noise)."""
-    return (seed ^ TANGENT_KEY) & SEED_MASK
-
-
 def draw_tangents(
-    params: list[torch.Tensor], seed: int, step: int, projections: int, first: int, count: int, secure: bool
+    params: list[torch.Tensor], keys: PrivacyKeys, step: int, projections: int, first: int, count: int
 ) -> list[torch.Tensor]:
-    """Tangents ``first .. first + count - 1`` of ``step``: one [count, *p.shape] N(0, 1) tensor per parameter.
-
-    Tangent j is counter ``step * projections + j`` of the tangent stream, whatever the chunking. Under
-    torch.compile they are drawn eagerly (``draw_eagerly``): never replayed from a captured graph."""
+    """Tangents ``first .. first + count - 1`` of ``step``: one [count, *p.shape] N(0, 1) tensor per parameter (4-draw
+    sums). Tangent j is counter ``base + j`` under the step's tangent key (``keys.tangent_key``: one key per step,
+    whatever the chunking or the micro-batch). Under torch.compile they are drawn eagerly (``draw_eagerly``): never
+    replayed from a captured graph."""
     if torch.compiler.is_compiling():
-        return _draw_tangents_eagerly(params, seed, step, projections, first, count, secure)
+        return _draw_tangents_eagerly(params, keys, step, projections, first, count)
+    seed, base = keys.tangent_key(step, projections)
     out = [torch.zeros(count, *p.shape, dtype=sum_dtype(p), device=p.device) for p in params]
     for k in range(count):
-        rows = [t[k] for t in out]
-        if secure:
-            add_noise_(rows, 1.0, secure=True)
-        else:
-            add_noise_(rows, 1.0, seed=tangent_seed(seed), offset=step * projections + first + k)
+        add_noise_([t[k] for t in out], 1.0, seed=seed, offset=base + first + k, num_draws=NOISE_DRAWS)
     return [t.to(p.dtype) for t, p in zip(out, params, strict=True)]
 
 
@@ -99,9 +93,8 @@ def jl_projections(
     x: torch.Tensor,
     y: torch.Tensor,
     projections: int,
-    seed: int,
+    keys: PrivacyKeys,
     step: int,
-    secure: bool = False,
     chunk: int = 8,
     forward=None,
 ) -> torch.Tensor:
@@ -126,7 +119,7 @@ def jl_projections(
     columns = []
     for first in range(0, projections, chunk):
         count = min(chunk, projections - first)
-        tangents = draw_tangents([params[n] for n in names], seed, step, projections, first, count, secure)
+        tangents = draw_tangents([params[n] for n in names], keys, step, projections, first, count)
         columns.append(vmap(project)(*tangents).t())  # [B, count]
     return torch.cat(columns, dim=1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
@@ -156,6 +149,7 @@ class JL(Variant):
 
     name = "jl"
     private = True
+    draws_tangents = True  # data-parallel OS-entropy runs share each step's tangent key (fastdp.train.distributed)
     low_precision_refusal = (
         "its accountant assumes each per-example norm estimate is exactly sqrt(chi2_r / r) times the exact norm "
         "(Gaussian projections of the exact gradient), which low-precision jvp's do not give, and the reweighted "
@@ -169,8 +163,7 @@ class JL(Variant):
         sample_rate: float,
         num_examples: int,
         projections: int = 10,
-        seed: int = 0,
-        secure: bool = False,
+        reproducible_seed: int | None = None,
         loss_fn=per_example_cross_entropy,
         chunk: int = 8,
     ) -> None:
@@ -192,12 +185,13 @@ class JL(Variant):
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = self.sample_rate * num_examples
         self.projections = projections
-        self.seed, self.secure, self.chunk = seed, secure, chunk
+        self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
+        self.chunk = chunk
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> JL:
         return cls(config.clip_norm, noise_multiplier, sample_rate, num_examples, projections=config.projections,
-                   seed=noise_seed, secure=config.secure)  # fmt: skip
+                   reproducible_seed=noise_seed)  # fmt: skip
 
     @classmethod
     def accounting_projections(cls, config) -> float:
@@ -206,8 +200,8 @@ class JL(Variant):
     def clip_weights(self, model: nn.Module, batch: Batch, step: int) -> torch.Tensor:
         """w_i = min(1, C / (M_i + 1e-6)) on real rows, 0 on padding."""
         check_deterministic_per_example(model)
-        p = jl_projections(model, self.loss_fn, batch.x, batch.y, self.projections, self.seed, step, self.secure,
-                           self.chunk, self._forward)  # fmt: skip
+        p = jl_projections(model, self.loss_fn, batch.x, batch.y, self.projections, self.keys, step, self.chunk,
+                           self._forward)  # fmt: skip
         weights = (self.clip_norm / (norm_estimates(p) + NORM_EPS)).clamp(max=1.0)
         return weights * batch.mask.to(weights.dtype)
 
@@ -221,7 +215,7 @@ class JL(Variant):
     def release(self, model: nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)
         stds = [self.noise_multiplier * self.clip_norm] * len(params)
-        release_noisy_mean(params, sums, stds, self.expected_batch_size, self.seed, step, self.secure)
+        release_noisy_mean(params, sums, stds, self.expected_batch_size, self.keys, step)
 
     def privacy_event(self) -> tuple[float, float]:
         return self.noise_multiplier, self.sample_rate
@@ -234,4 +228,5 @@ class JL(Variant):
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
             "projections": self.projections,
+            "privacy_randomness": self.keys.label,
         }

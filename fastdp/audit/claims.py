@@ -84,13 +84,31 @@ class Expectation:
     how: str
 
 
+class _NoiselessKeys:
+    """The keys of a :func:`noiseless` twin: the original's JL tangents (reproducible keys derive them from the step
+    alone), and a noise key that is never refused for a repeated step: the twin adds no noise (std 0), and the
+    audit evaluates adjacent batches at one step index."""
+
+    def __init__(self, keys) -> None:
+        self._keys = keys
+        self.reproducible, self.label = keys.reproducible, keys.label
+
+    def noise_key(self, step: int) -> tuple[int, int]:
+        return 0, step
+
+    def tangent_key(self, step: int, projections: int) -> tuple[int, int]:
+        return self._keys.tangent_key(step, projections)
+
+
 def noiseless(variant: Variant) -> Variant:
     """A shallow copy of ``variant`` with noise multiplier 0: its release is the noiseless released update
-    (sum / b), computed by the variant's own code. The copy shares the original's prepared-model state."""
+    (sum / b), computed by the variant's own code. The copy shares the original's prepared-model state and JL
+    tangents; its noise key (of a zero std) may serve one step index several times."""
     if not variant.private:
         return variant
     twin = copy.copy(variant)
     twin.noise_multiplier = 0.0
+    twin.keys = _NoiselessKeys(variant.keys)
     return twin
 
 

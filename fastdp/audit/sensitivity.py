@@ -146,8 +146,9 @@ class _Auditor:
         self.case, self.claim = case, claim
         self.step = 0
         self.jl = case.variant if isinstance(case.variant, JL) else None
-        if self.jl is not None and self.jl.secure:
-            raise ValueError("the JL sensitivity audit recomputes the step's tangents: audit a non-secure JL variant")
+        if self.jl is not None and not self.jl.keys.reproducible:
+            raise ValueError("the JL sensitivity audit recomputes the step's tangents: audit a JL variant with a "
+                             "reproducible seed (reproducible_seed=...)")  # fmt: skip
 
     def pair(self, scenario: str, without: Batch, with_: Batch, example: Batch) -> Observation:
         self.step += 1
@@ -177,7 +178,7 @@ class _Auditor:
     def norm_estimate(self, g: list[torch.Tensor], step: int) -> float:
         params = trainable_parameters(self.case.model)
         r = self.jl.projections
-        tangents = draw_tangents(params, self.jl.seed, step, r, 0, r, secure=False)
+        tangents = draw_tangents(params, self.jl.keys, step, r, 0, r)
         dots = sum((v.double().reshape(r, -1) @ t.reshape(-1)) for v, t in zip(tangents, g, strict=True))
         return float(dots.pow(2).mean().sqrt())
 

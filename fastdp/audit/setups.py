@@ -59,7 +59,7 @@ class DoubleDividedBackpropClip(BackpropClip):
         scale = self.noise_multiplier * math.sqrt(len(params))
         b = self.expected_batch_size
         stds = [scale * sensitivities[p] / b for p in params]  # the bug: sensitivity divided by b
-        release_noisy_mean(params, sums, stds, b, self.seed, step, self.secure)
+        release_noisy_mean(params, sums, stds, b, self.keys, step)
 
 
 @dataclass
@@ -85,7 +85,9 @@ def build_case(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> AuditCase:
-    """The audit case ``name`` (a key of :data:`CASES`, or :data:`BROKEN`); the model is seeded by ``seed``."""
+    """The audit case ``name`` (a key of :data:`CASES`, or :data:`BROKEN`); the model and the variant's privacy draws
+    are seeded by ``seed`` (a reproducible key, NOT FOR RELEASE: the audit recomputes JL's tangents and repeats runs
+    with fresh step indices)."""
     if name not in CASES and name != BROKEN:
         raise ValueError(f"unknown audit case {name!r}; choose one of {', '.join([*CASES, BROKEN])}")
     sigma, q, n = noise_multiplier, sample_rate, num_examples
@@ -93,20 +95,20 @@ def build_case(
     if name in ("clipless", "clipless-global"):
         model = build_model("lipschitz_mlp", (FEATURES,), CLASSES, hidden=HIDDEN, input_bound=INPUT_BOUND)
         strategy = "global" if name == "clipless-global" else "per-layer"
-        variant: Variant = Clipless(sigma, q, n, strategy=strategy, seed=seed)
+        variant: Variant = Clipless(sigma, q, n, strategy=strategy, reproducible_seed=seed)
     elif name == "weightclip":
         model = build_model("weightclip_mlp", (FEATURES,), CLASSES, hidden=HIDDEN, input_bound=INPUT_BOUND)
-        variant = WeightClip(sigma, q, n, seed=seed)
+        variant = WeightClip(sigma, q, n, reproducible_seed=seed)
     else:
         model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
                               nn.Linear(HIDDEN, CLASSES))  # fmt: skip
         variant = {
-            "dpsgd": lambda: DPSGD(1.0, sigma, q, n, seed=seed),
-            "dpsgd-reference": lambda: DPSGD(1.0, sigma, q, n, seed=seed, mode="reference"),
-            "dpsgd-per-layer": lambda: DPSGD(list(PER_LAYER_CLIPS), sigma, q, n, seed=seed),
-            "jl": lambda: JL(1.0, sigma, q, n, projections=JL_PROJECTIONS, seed=seed),
-            "backprop": lambda: BackpropClip(1.0, 1.0, sigma, q, n, seed=seed),
-            BROKEN: lambda: DoubleDividedBackpropClip(1.0, 1.0, sigma, q, n, seed=seed),
+            "dpsgd": lambda: DPSGD(1.0, sigma, q, n, reproducible_seed=seed),
+            "dpsgd-reference": lambda: DPSGD(1.0, sigma, q, n, reproducible_seed=seed, mode="reference"),
+            "dpsgd-per-layer": lambda: DPSGD(list(PER_LAYER_CLIPS), sigma, q, n, reproducible_seed=seed),
+            "jl": lambda: JL(1.0, sigma, q, n, projections=JL_PROJECTIONS, reproducible_seed=seed),
+            "backprop": lambda: BackpropClip(1.0, 1.0, sigma, q, n, reproducible_seed=seed),
+            BROKEN: lambda: DoubleDividedBackpropClip(1.0, 1.0, sigma, q, n, reproducible_seed=seed),
             "nonprivate": NonPrivate,
         }[name]()
     model = model.to(dtype)

@@ -12,14 +12,19 @@ Randomness is the counter-based fastdp noise stream (``fastdp.ref.noise``): a
 (seed, offset) pair fixes the draw, bitwise on a given backend, whatever the list
 is split into; the caller must use a new offset (e.g. the step number) per step.
 
-Secure mode (``secure=True``) takes seed and offset (126 bits) from the OS entropy
-source and makes each noise value the sum of 4 independent draws divided by 2,
-Opacus' mitigation of the floating-point attacks on Box-Muller samplers (Jin et
-al., S&P 2022), which exploit the gaps in the set of floats one draw can produce.
-It does not make Philox a cryptographic generator: the guarantee rests on the
-126-bit key and counter staying secret, and fp32 rounding of ``g + noise`` remains.
-The fast default is reproducible from its seed and is not hardened against these
-attacks: use it for experiments, and secure mode for releasing a model.
+Draws. ``num_draws=4`` makes each noise value the sum of 4 independent draws divided
+by 2: Opacus' mitigation of the floating-point attacks on Box-Muller samplers (Jin et
+al., S&P 2022), which exploit the gaps in the set of floats one draw can produce, and
+a support of 13.54 standard deviations per pair of coordinates instead of 6.76 (see
+``docs/privacy-randomness.md``). Every fastdp variant releases with 4 draws, keyed by
+OS entropy or, on explicit request, by a reproducible seed
+(``fastdp.privacy.rng.PrivacyKeys``). The ops' default, one draw under an explicit
+seed, is for direct users and experiments: it is reproducible, its values are bounded
+at 6.76 standard deviations (the smallest uniform is 2**-33), and it is **not for DP
+releases** (with small noise multipliers over many steps that bound alone can exceed
+delta). ``secure=True`` takes seed and offset (126 bits) from the OS entropy source,
+with 4 draws. Neither makes Philox a cryptographic generator: the guarantee rests on
+the key and counter staying secret, and fp32 rounding of ``g + noise`` remains.
 """
 
 from __future__ import annotations
@@ -31,14 +36,14 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from fastdp import _backend, _ext
-from fastdp.privacy.rng import SEED_BITS, os_entropy_seed
+from fastdp.privacy.rng import NOISE_DRAWS, SEED_BITS, os_entropy_seed
 from fastdp.ref import noise as ref
 
 __all__ = ["add_noise_", "noisy_sgd_step_"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPES = (*_KERNEL_DTYPES, torch.float64)
-SECURE_DRAWS = 4
+SECURE_DRAWS = NOISE_DRAWS  # the 4-draw sum: secure=True, num_draws=4, every fastdp variant
 _EXACT_OVERLAP_ELEMENTS = 1 << 20
 
 
@@ -263,22 +268,31 @@ def _as_stds(stds, count: int) -> list[float]:
     return [_real(s, f"stds[{t}]") for t, s in enumerate(stds)]
 
 
-def _seed_offset(seed: int | None, offset: int, secure: bool) -> tuple[int, int, int]:
+def _seed_offset(seed: int | None, offset: int, secure: bool, num_draws: int | None) -> tuple[int, int, int]:
     if not isinstance(secure, bool):
         raise TypeError(f"fastdp noise: secure must be a bool, got {type(secure).__name__}")
+    if num_draws is not None and (isinstance(num_draws, bool) or not isinstance(num_draws, int)):
+        raise TypeError(f"fastdp noise: num_draws must be an int (1 or {SECURE_DRAWS}), got {type(num_draws).__name__}")
+    if num_draws is not None and num_draws not in (1, SECURE_DRAWS):
+        raise ValueError(
+            f"fastdp noise: num_draws must be 1 (one Box-Muller draw, bounded at 6.76 std: not for DP releases) or "
+            f"{SECURE_DRAWS} (the sum of {SECURE_DRAWS} draws divided by 2), got {num_draws}"
+        )
     if secure:
         if seed is not None or not (isinstance(offset, int) and offset == 0):
             raise ValueError(
                 "fastdp noise: secure=True draws its own seed and offset from the OS entropy source; do not pass "
                 "a seed or an offset"
             )
+        if num_draws == 1:
+            raise ValueError(f"fastdp noise: secure=True always sums {SECURE_DRAWS} draws; do not pass num_draws=1")
         return os_entropy_seed(), os_entropy_seed(), SECURE_DRAWS
     for name, value in (("seed", seed), ("offset", offset)):
         if (value is not None or name == "offset") and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"fastdp noise: {name} must be an int, got {type(value).__name__}")
     seed = os_entropy_seed() if seed is None else seed
     _check_seed(seed, offset)
-    return seed, offset, 1
+    return seed, offset, 1 if num_draws is None else num_draws
 
 
 def add_noise_(
@@ -288,6 +302,7 @@ def add_noise_(
     offset: int = 0,
     *,
     secure: bool = False,
+    num_draws: int | None = None,
 ) -> None:
     """Add N(0, stds[t]^2) to every element of ``grads[t]``, in place.
 
@@ -301,10 +316,13 @@ def add_noise_(
         offset: counter in [0, 2**63); use a new one per step (e.g. the step index).
         secure: OS-entropy seed and offset, 4-draw sum (see the module docstring); pass
             neither a seed nor an offset with it.
+        num_draws: 1 (default without ``secure``: one Box-Muller draw per value, bounded at
+            6.76 std, not for DP releases) or 4 (the sum of 4 draws divided by 2: what every
+            fastdp variant releases with; default with ``secure``).
     """
     grads = _as_list(grads, "grads")
     stds = _as_stds(stds, len(grads))
-    seed, offset, num_draws = _seed_offset(seed, offset, secure)
+    seed, offset, num_draws = _seed_offset(seed, offset, secure, num_draws)
     if _backend.eager(grads):
         _apply(grads, [], stds, seed, offset, num_draws, 0.0)
         return
@@ -323,6 +341,7 @@ def noisy_sgd_step_(
     offset: int = 0,
     *,
     secure: bool = False,
+    num_draws: int | None = None,
 ) -> None:
     """Fused noise and SGD update: ``p -= lr * (g + N(0, stds[t]^2)) / scale``; grads are not changed.
 
@@ -341,7 +360,7 @@ def noisy_sgd_step_(
     if not math.isfinite(lr / scale):
         raise ValueError(f"fastdp noise: lr / scale ({lr} / {scale}) overflows; use a smaller lr or a larger scale")
     stds = _as_stds(stds, len(grads))
-    seed, offset, num_draws = _seed_offset(seed, offset, secure)
+    seed, offset, num_draws = _seed_offset(seed, offset, secure, num_draws)
     if _backend.eager(params + grads):
         _apply(grads, params, stds, seed, offset, num_draws, lr / scale)
         return

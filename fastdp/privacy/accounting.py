@@ -21,6 +21,12 @@ Per-layer noise
     :func:`effective_noise_multiplier` / :func:`per_layer_noise_multiplier` turn per-tensor noise (papers/00 §1.7)
     into the single multiplier to pass to :meth:`PrivacyAccountant.step`.
 
+Bounded noise
+    fastdp's Gaussian noise is a sum of 4 Box-Muller draws with bounded radius, so its support is bounded too; an
+    output of the run with one example can then be impossible without it. :func:`truncation_delta` bounds the
+    probability of such outputs over a run (a delta to add to the accountant's); the trainer refuses a run where it
+    exceeds delta / 100 and reports epsilon at delta minus it (``docs/privacy-randomness.md``).
+
 zCDP and GDP helpers
     :func:`zcdp_rho`, :func:`zcdp_to_epsilon`, :func:`gdp_mu` and :func:`gdp_to_epsilon` reproduce the accountants of
     the backprop-clipping paper (papers/02) and its repository, **for reporting and comparison only**. They are
@@ -30,12 +36,15 @@ zCDP and GDP helpers
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
 import operator
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "MECHANISMS",
@@ -45,6 +54,7 @@ __all__ = [
     "gdp_to_epsilon",
     "get_noise_multiplier",
     "per_layer_noise_multiplier",
+    "truncation_delta",
     "zcdp_rho",
     "zcdp_to_epsilon",
 ]
@@ -530,6 +540,89 @@ def per_layer_noise_multiplier(sensitivities: Sequence[float], stds: Sequence[fl
     if any(sigma == 0 for sigma in sigmas):
         return 0.0
     return effective_noise_multiplier(sigmas)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bounded noise: the probability of outputs that are impossible without an example
+# ----------------------------------------------------------------------------------------------------------------
+
+# One Box-Muller pair has radius sqrt(-2 ln u) with u >= 2**-33: at most sqrt(2 * 33 * ln 2) = 6.7637; 6.77 covers the
+# rounding of fp32 logarithms. The released value is (n1 + n2 + n3 + n4) / 2 (fastdp.privacy.rng.NOISE_DRAWS), so a
+# pair of released coordinates has radius <= 4 R / 2 = 2 R (in units of the noise std).
+BOX_MULLER_RADIUS = 6.77
+NOISE_SUPPORT_RADIUS = 2 * BOX_MULLER_RADIUS
+# Each of the 4 draws is a 2-D standard normal conditioned on radius <= R, a set of probability Z = 1 - 2**-33; its
+# density is at most the Gaussian's divided by Z, so the 4-draw sum's density is at most the Gaussian's / Z**4.
+_TRUNCATED_MASS = (1 - 2.0**-33) ** 4
+_JL_BINS = 2000
+
+
+def _truncation_beta(shift: float, pairs: int) -> float:
+    """Per-step bound for a whitened shift ``shift`` (= ||Delta|| / noise std) over ``pairs`` coordinate pairs."""
+    two_r = NOISE_SUPPORT_RADIUS
+    if not shift < two_r - 1:
+        return 1.0
+    small = pairs * math.exp(-((two_r - 1) ** 2) / 2)  # pairs shifted by at most 1
+    large = shift**2 * math.exp(-((two_r - shift) ** 2) / 2)  # fewer than shift**2 pairs shifted by more than 1
+    return min(1.0, (small + large) / _TRUNCATED_MASS)
+
+
+@functools.lru_cache(maxsize=64)
+def _truncation_beta_jl(sigma: float, r: float, pairs: int) -> float:
+    """Per-step bound for DP-SGD-JL: the shift is max(1, Z) / sigma with Z = (chi2_r / r)^(-1/2) (the clip factor's
+    overshoot, papers/03), random per step. Z is rounded up to the top of geometric bins between 1 and
+    (2R - 1) sigma (the bound grows with the shift), and Z above that counts as an impossible output (bound 1)."""
+    from scipy import stats
+
+    z_top = (NOISE_SUPPORT_RADIUS - 1) * sigma
+    if z_top <= 1:
+        return 1.0
+    chi2 = stats.chi2(r)
+    edges = np.geomspace(1.0, z_top, _JL_BINS + 1)
+    above = chi2.cdf(r / edges**2)  # P(Z > z): accurate where small (the heavy upper tail of Z)
+    beta = float(chi2.sf(r)) * _truncation_beta(1 / sigma, pairs)  # P(Z <= 1): shift <= 1 / sigma
+    for mass, z in zip(-np.diff(above), edges[1:], strict=True):
+        beta += float(mass) * _truncation_beta(z / sigma, pairs)
+    return min(1.0, beta + float(above[-1]))
+
+
+def truncation_delta(noise_multiplier: float, steps: int, num_coordinates: int, projections: float = math.inf) -> float:
+    """Upper bound on the probability that a run with fastdp's bounded (4-draw) noise gives an output that is
+    impossible without one of its examples: a delta to add to the accountant's (``docs/privacy-randomness.md``).
+
+    Per step, with whitened shift D = 1 / sigma (the example moves the noiseless sum by at most sensitivity / noise
+    std; per-layer noise: sigma is the effective multiplier the accountant records) and R = 6.77 (one Box-Muller
+    pair's radius, fp32 rounding included), each pair of released coordinates has radius <= 2R = 13.54, and an output
+    is impossible without the example only if some pair p, shifted by delta_p (sum delta_p^2 <= D^2), has noise radius
+    above 2R - delta_p. The 4-draw sum's density is at most the Gaussian's / Z^4 (Z = 1 - 2^-33), whose pair radius
+    exceeds t with probability exp(-t^2 / 2). At most ``num_coordinates`` pairs have delta_p <= 1, fewer than D^2 have
+    delta_p > 1 (each delta_p <= D), so
+
+        beta = [d exp(-(2R - 1)^2 / 2) + D^2 exp(-(2R - D)^2 / 2)] / Z^4     (D < 2R - 1; else 1)
+
+    and ``steps`` steps give at most ``steps * beta`` (a union over the steps, no subsampling factor). DP-SGD-JL
+    (finite ``projections`` r): D = max(1, Z) / sigma with Z = (chi2_r / r)^(-1/2) random per step; beta is its
+    expectation with Z rounded up into geometric bins and Z > (2R - 1) sigma counted as 1.
+
+    Args:
+        noise_multiplier: sigma >= 0 (0: the bound is 1; ``math.inf``: 0).
+        steps: number of released steps, an integer >= 0.
+        num_coordinates: d, the number of noised coordinates per release (trainable parameters), >= 1.
+        projections: JL projections r, or ``math.inf`` for exact norms.
+
+    Returns:
+        min(1, steps * beta).
+    """
+    sigma = _check_noise_multiplier(noise_multiplier)
+    steps = _count(steps, "steps", 0)
+    pairs = _count(num_coordinates, "num_coordinates", 1)
+    r = _check_projections(projections)
+    if steps == 0 or math.isinf(sigma):
+        return 0.0
+    if sigma == 0:
+        return 1.0
+    beta = _truncation_beta(1 / sigma, pairs) if math.isinf(r) else _truncation_beta_jl(sigma, r, pairs)
+    return min(1.0, steps * beta)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import os
 import numpy as np
 import torch
 
+from fastdp.privacy.rng import check_reproducible_seed
+
 __all__ = ["PoissonSampler", "Sampler", "ShuffleSampler", "micro_batches", "pad_batch", "physical_batch_size"]
 
 
@@ -47,9 +49,10 @@ class PoissonSampler(Sampler):
     """Index batches of a data set of ``num_examples`` under Poisson sampling with rate ``sample_rate``.
 
     One epoch is ``steps_per_epoch`` steps (default ``round(1 / q)``, so an epoch sees N
-    examples in expectation). ``seed`` fixes the draws (``torch.Generator``, saved by
-    :meth:`state_dict`); ``secure=True`` draws every inclusion from the OS entropy source
-    instead and cannot be replayed.
+    examples in expectation). By default every inclusion is drawn from the OS entropy source
+    (a 53-bit uniform from ``os.urandom`` per example per step): the batches cannot be
+    replayed or predicted. ``reproducible_seed`` (NOT FOR RELEASE: whoever knows it knows
+    every batch) fixes the draws instead (``torch.Generator``, saved by :meth:`state_dict`).
     """
 
     def __init__(
@@ -57,8 +60,7 @@ class PoissonSampler(Sampler):
         num_examples: int,
         sample_rate: float,
         steps_per_epoch: int | None = None,
-        seed: int = 0,
-        secure: bool = False,
+        reproducible_seed: int | None = None,
     ) -> None:
         _check_count(num_examples)
         if not (0.0 < sample_rate <= 1.0):
@@ -68,8 +70,13 @@ class PoissonSampler(Sampler):
         self.steps_per_epoch = steps_per_epoch or max(1, round(1.0 / self.sample_rate))
         if self.steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
-        self.secure = secure
-        self.generator = torch.Generator().manual_seed(seed)
+        self.reproducible_seed = check_reproducible_seed(reproducible_seed)
+        self.generator = None if self.reproducible_seed is None else torch.Generator().manual_seed(reproducible_seed)
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether the batches come from the seeded generator (else from OS entropy)."""
+        return self.reproducible_seed is not None
 
     @property
     def expected_batch_size(self) -> float:
@@ -78,7 +85,7 @@ class PoissonSampler(Sampler):
 
     def sample(self) -> torch.Tensor:
         """One Poisson batch: sorted int64 indices, possibly empty."""
-        if self.secure:
+        if not self.reproducible:
             words = np.frombuffer(os.urandom(8 * self.num_examples), dtype=np.uint64)
             uniform = (words >> np.uint64(11)).astype(np.float64) * 2.0**-53  # 53-bit uniforms in [0, 1)
             return torch.from_numpy(np.flatnonzero(uniform < self.sample_rate).astype(np.int64))
@@ -86,12 +93,23 @@ class PoissonSampler(Sampler):
         return torch.nonzero(included).reshape(-1)
 
     def state_dict(self) -> dict:
+        """The seeded generator's state; an OS-entropy sampler has none to save (a resumed run draws afresh)."""
+        if not self.reproducible:
+            return {"kind": "poisson"}
         return {"kind": "poisson", "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "poisson":
             raise ValueError(f"sampler state is for a {state.get('kind')!r} sampler, not a Poisson sampler")
-        self.generator.set_state(state["generator"])
+        if ("generator" in state) != self.reproducible:
+            raise ValueError(
+                "sampler state is for a Poisson sampler with "
+                + ("a reproducible seed" if "generator" in state else "OS-entropy draws")
+                + ", but this sampler "
+                + ("has a reproducible seed" if self.reproducible else "draws from OS entropy")
+            )
+        if self.reproducible:
+            self.generator.set_state(state["generator"])
 
 
 class ShuffleSampler(Sampler):

@@ -13,8 +13,11 @@ so all backends draw the same noise up to the rounding of log/sqrt/cos/sin in fp
   element ``e`` takes output ``e % 4``.
 * With ``num_draws`` > 1 the noise is ``sum_k n_k / sqrt(num_draws)`` (still N(0, 1)).
 
-Fast-mode draws are bounded by ``sqrt(2 * 33 * ln 2) = 6.76`` standard deviations
-(the smallest uniform is 2**-33); see ``fastdp.ops.noise`` for what secure mode adds.
+One draw is bounded by ``sqrt(2 * 33 * ln 2) = 6.76`` standard deviations (the
+smallest uniform is 2**-33; each Box-Muller pair has radius <= R = 6.77 with fp32 log
+rounding); the 4-draw value, ``(n1 + n2 + n3 + n4) / 2``, has pair radius <= 2R = 13.54.
+Every fastdp variant releases with 4 draws; the bound this leaves is
+``fastdp.privacy.accounting.truncation_delta`` (``docs/privacy-randomness.md``).
 """
 
 from __future__ import annotations

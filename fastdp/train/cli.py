@@ -54,8 +54,12 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="target epsilon: the noise multiplier is calibrated so the whole run ends at or below it; "
                         "with --noise-multiplier, training stops before exceeding it")  # fmt: skip
     g.add_argument("--delta", type=float, default=d.delta,
-                   help="delta of the (epsilon, delta) guarantee, add/remove-one adjacency; keep it below "
-                        "1/N (default: %(default)s)")  # fmt: skip
+                   help="delta of the (epsilon, delta) guarantee, add/remove-one adjacency; must be below 1/N "
+                        "(default: %(default)s); epsilon is reported at delta minus the bounded noise's share "
+                        "(delta_truncation in the result)")  # fmt: skip
+    g.add_argument("--allow-large-delta", action="store_true",
+                   help="accept delta >= 1/N, which permits releasing one training example outright (refused "
+                        "otherwise); e.g. to compare with a paper that used delta = 1/N")  # fmt: skip
     g.add_argument("--noise-multiplier", type=float, default=None,
                    help="sigma: noise std on the clipped gradient sum is sigma * C (instead of --epsilon)")  # fmt: skip
     g.add_argument("--clip-norm", type=float, default=d.clip_norm,
@@ -84,16 +88,21 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")  # fmt: skip
     g.add_argument("--shuffle", action="store_true",
                    help="fixed-size shuffled batches instead of Poisson sampling; the reported epsilon then "
-                        "assumes Poisson sampling and is NOT a proven guarantee")  # fmt: skip
+                        "assumes Poisson sampling and is NOT a proven guarantee, so private variants accept it only "
+                        "with --reproducible-privacy-seed (an experiment, not a release)")  # fmt: skip
     g.add_argument("--pad", action="store_true",
                    help="pad Poisson batches to a fixed physical size (masked rows count for nothing)")  # fmt: skip
     g.add_argument("--micro-batch", type=int, default=None,
                    help="virtual batches: run each logical batch as micro-batches of this many rows (padded), summed "
                         "and released once; peak memory follows this size, not --batch-size")  # fmt: skip
+    g.add_argument("--reproducible-privacy-seed", type=int, default=None, metavar="N",
+                   help="NOT FOR RELEASE: key every privacy draw (noise, Poisson sampling, JL tangents) by N, so the "
+                        "run can be replayed bitwise (tests, debugging, resume checks) and anyone who knows N can "
+                        "subtract the noise; the result says so. Default: every privacy draw from OS "
+                        "entropy")  # fmt: skip
     g.add_argument("--secure", action="store_true",
-                   help="for releasing a model: every privacy draw (noise, Poisson sampling, JL tangents) from the OS "
-                        "entropy source, noise resistant to floating-point attacks (4-draw sum); runs cannot be "
-                        "replayed; the split and initialisation stay seeded by --seed; not with --shuffle")  # fmt: skip
+                   help="refuse anything not for release (--reproducible-privacy-seed, and so --shuffle); privacy "
+                        "draws come from OS entropy with or without it")  # fmt: skip
     g = parser.add_argument_group("precision and compilation")
     g.add_argument("--precision", default=d.precision, choices=["fp32", "bf16", "fp16"],
                    help="autocast the model's forward (and so its backward) to bf16/fp16; per-example norms, clip "
@@ -112,11 +121,14 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="torch.compile backend (default: %(default)s)")  # fmt: skip
     g = parser.add_argument_group("run")
     g.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of split, init, sampling and noise (with --secure: of split and init only; "
-                        "default: 0)")  # fmt: skip
+                   help="seed of the train/test split and the initial weights, which are not privacy draws (the "
+                        "noise, sampling and JL tangents: see --reproducible-privacy-seed) "
+                        "(default: %(default)s)")  # fmt: skip
     g.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
     g.add_argument("--checkpoint", default=None, help="checkpoint file written after every epoch")
-    g.add_argument("--resume", action="store_true", help="continue from --checkpoint (same settings; more epochs ok)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint (same settings; more epochs ok: a run calibrated with --epsilon "
+                        "keeps its noise multiplier and reports the larger epsilon spent)")  # fmt: skip
     g.add_argument("--out", default=None, help="write the result (config, per-epoch log, final metrics) as JSON")
     g.add_argument("--quiet", action="store_true", help="no per-epoch log")
     g.add_argument("--nproc", type=int, default=None,
@@ -163,10 +175,13 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         return launch(args.nproc, _without_nproc(argv))
     else:
         result = train(config)
-    print(json.dumps({k: result[k] for k in ("variant", "dataset", "epsilon", "delta", "test_accuracy",
-                                             "test_auroc", "steps", "train_seconds")}))  # fmt: skip
-    if "note" in result:
-        print(f"note: {result['note']}", file=sys.stderr)
+    print(json.dumps({k: result[k] for k in ("variant", "dataset", "epsilon", "delta", "privacy_randomness",
+                                             "test_accuracy", "test_auroc", "steps", "train_seconds")}))  # fmt: skip
+    for key in ("note", "note_epsilon"):
+        if key in result:
+            print(f"note: {result[key]}", file=sys.stderr)
+    if result.get("privacy_randomness") and "NOT FOR RELEASE" in result["privacy_randomness"]:
+        print(f"note: {result['note_privacy_randomness']}", file=sys.stderr)
     return 0
 
 

@@ -6,13 +6,13 @@ environment (gloo on CPU, nccl on CUDA, rank r on ``cuda:LOCAL_RANK``) and runs 
 :class:`fastdp.train.trainer.Trainer`, which finds the process group and hands its data-parallel work to
 :class:`DataParallel`. One step, on every rank r of W:
 
-1. Sampling. Every rank runs the same sampler with the same seed, so all ranks draw the same global Poisson sample
-   (each example included with probability q, once, globally) without communicating; rank r keeps the shard
+1. Sampling. The default sampler draws from OS entropy, which differs per process: rank 0 draws each global Poisson
+   sample (each example included with probability q, once, globally) and broadcasts it (ranks drawing their own
+   would include an example on any of W ranks, probability 1 - (1 - q)^W, not q). With a reproducible privacy seed
+   every rank runs the same seeded sampler and draws the same sample without communicating. Rank r keeps the shard
    ``indices[r::W]`` and pads / micro-batches it like a single process does (``--pad``: to ceil(b / W) rows per
    rank, b the single-process physical batch). An empty shard is fine: it contributes zero sums and still joins
-   the collectives. Secure mode's sampler draws from OS entropy, which differs per process: there rank 0 draws the
-   sample and broadcasts it (ranks drawing their own would include an example on any of W ranks, probability
-   1 - (1 - q)^W, not q).
+   the collectives.
 2. Clipping. Each rank computes :meth:`~fastdp.algorithms.base.Variant.clipped_sum` of its own examples (its
    micro-batches summed). Nothing here depends on the other ranks' examples, so every per-example bound holds as in
    one process.
@@ -21,16 +21,15 @@ environment (gloo on CPU, nccl on CUDA, rank r on ``cuda:LOCAL_RANK``) and runs 
    ``torch.distributed.all_reduce(SUM)`` on one flat buffer per dtype, so a step costs one collective per dtype.
    Afterwards every rank holds the global batch's sums, bitwise identical on all ranks (the ring all-reduce
    reduces each chunk once and broadcasts it).
-4. Noise, once. Every rank calls :meth:`~fastdp.algorithms.base.Variant.release` on those identical sums with the
-   identical noise seed (derived from the run seed) and step: the counter-based noise stream gives every rank the
-   same draw, so each rank holds the same noisy gradient without a broadcast, and the release is one Gaussian
-   mechanism with std sigma*C on the global sum, divided by the expected batch size q*N (not N draws, not
-   sigma*C/sqrt(W) per rank). Secure mode draws its key from OS entropy inside each release, so the ranks' draws
-   would differ: there rank 0's released gradient is broadcast and replaces every other rank's (each rank's own
-   draw is discarded unused; the secret key never leaves rank 0, only the released gradient, which is the output
-   of the mechanism anyway, is sent). JL's tangents are keyed by (seed, step) like the noise, so the ranks use the
-   same ones; in secure mode each rank draws its own, which is still a data-independent Gaussian sketch per
-   example, as the accountant assumes.
+4. Noise, once. The default keys come from OS entropy inside each release, so the ranks' draws would differ: rank
+   0's released gradient is broadcast and replaces every other rank's (each rank's own draw is discarded unused;
+   the secret key never leaves rank 0, only the released gradient, which is the output of the mechanism anyway, is
+   sent). With a reproducible privacy seed every rank releases the identical sums with the identical key and step,
+   so each holds the same noisy gradient without a broadcast. Either way the release is one Gaussian mechanism with
+   std sigma*C on the global sum, divided by the expected batch size q*N (not N draws, not sigma*C/sqrt(W) per
+   rank). JL's tangents: with OS entropy rank 0 draws the step's tangent key and sends it to the others before the
+   step (tangents are revealed in JL's analysis anyway; one set per step, as with micro-batches); with a
+   reproducible seed every rank derives the same key.
 5. Update and accounting. Every rank steps its optimizer with the same gradient, so the models, which start
    identical (same seed, and rank 0's parameters and buffers are broadcast once at start), stay identical; this is
    checked bitwise once per epoch. Every rank steps its accountant identically (deterministic), so all agree on
@@ -236,9 +235,9 @@ class DataParallel:
         return -(-physical // self.world_size)
 
     def shared_sampler(self, sampler):
-        """``sampler`` if its draws are replayable from the seed (every rank draws the same sample itself); for a
-        secure (OS-entropy) sampler, a wrapper whose samples rank 0 draws and broadcasts."""
-        return _MainRankSampler(sampler, self) if getattr(sampler, "secure", False) else sampler
+        """``sampler`` if its draws are replayable from the seed (every rank draws the same sample itself); for an
+        OS-entropy sampler (the default), a wrapper whose samples rank 0 draws and broadcasts."""
+        return sampler if getattr(sampler, "reproducible", True) else _MainRankSampler(sampler, self)
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> None:
         """Sum each tensor over all ranks, in place: one ``all_reduce`` per dtype on a flat buffer."""
@@ -276,15 +275,19 @@ class DataParallel:
         return buffer.cpu()
 
     def gradient(
-        self, variant: Variant, model: torch.nn.Module, batch: Batch | Sequence[Batch], step: int, *, secure: bool
+        self, variant: Variant, model: torch.nn.Module, batch: Batch | Sequence[Batch], step: int, *, os_entropy: bool
     ) -> torch.Tensor:
         """Set ``p.grad`` to the global step's released gradient on every rank; returns the global summed loss.
 
         ``batch``: this rank's shard of the global sample (one Batch or its micro-batches). The clipped sums are
-        all-reduced before the release; ``secure`` (noise from OS entropy, different on every rank): rank 0's
-        released gradient replaces the others', so the noise is still added exactly once."""
+        all-reduced before the release; ``os_entropy`` (the variant's keys come from OS entropy, different on every
+        rank): rank 0's released gradient replaces the others', so the noise is still added exactly once, and (JL)
+        rank 0's tangent key of the step is shared first, so every rank projects on the same tangents."""
+        if os_entropy and getattr(variant, "draws_tangents", False):
+            key = self.from_main(lambda: variant.keys.tangent_key(step, variant.projections)[0])
+            variant.keys.adopt_tangent_key(step, key)
         loss = variant.gradient(model, batch, step, all_reduce_sum=self.all_reduce_sum)
-        if secure:
+        if os_entropy:
             self.broadcast_from_main([p.grad for p in trainable_parameters(model)])
         return loss
 
@@ -305,12 +308,13 @@ class DataParallel:
 
 
 class _MainRankSampler(Sampler):
-    """A sampler whose every sample rank 0 draws and broadcasts (secure mode: OS-entropy draws differ per process)."""
+    """A sampler whose every sample rank 0 draws and broadcasts (OS-entropy draws differ per process)."""
+
+    reproducible = False
 
     def __init__(self, sampler, parallel: DataParallel) -> None:
         self.sampler = sampler
         self.parallel = parallel
-        self.secure = sampler.secure
         self.sample_rate = sampler.sample_rate
         self.num_examples = sampler.num_examples
         self.steps_per_epoch = sampler.steps_per_epoch

@@ -4,7 +4,13 @@ Every step: sample a batch (Poisson), let the variant write the gradient, step t
 optimizer, record the variant's privacy event. Per epoch: evaluate on the test split
 and log loss, accuracy (AUROC for binary tasks), epsilon so far and steps/s.
 Checkpoints hold the model, optimizer, accountant and sampler states, so a resumed
-run continues the same random streams and neither loses nor double-counts a step.
+run neither loses nor double-counts a step (and, with a reproducible privacy seed,
+continues the same random streams).
+
+Privacy randomness (``docs/privacy-randomness.md``): by default every privacy draw
+(noise, Poisson sampling, JL tangents) comes from OS entropy; ``reproducible_privacy_seed``
+keys them reproducibly, and the result labels such a run NOT FOR RELEASE. ``seed`` fixes
+only the train/test split and the initial weights (not privacy draws).
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import torch
 
 from fastdp.algorithms import VARIANTS, Batch, Variant
 from fastdp.algorithms.base import check_compile, resolve_loss_scale
-from fastdp.privacy.accounting import MECHANISMS, PrivacyAccountant, get_noise_multiplier
-from fastdp.privacy.rng import os_entropy_seed
+from fastdp.privacy.accounting import MECHANISMS, PrivacyAccountant, get_noise_multiplier, truncation_delta
+from fastdp.privacy.rng import OS_ENTROPY, REPRODUCIBLE, check_reproducible_seed
 from fastdp.privacy.sampling import (
     PoissonSampler,
     ShuffleSampler,
@@ -78,8 +84,12 @@ class TrainConfig:
     loss_scale: float | None = None  # fp16: fixed power-of-two loss scale (default 2**10)
     compile: str | None = None  # torch.compile the step: None (eager), "default", "reduce-overhead" (CUDA graphs), ...
     compile_backend: str = "inductor"
-    secure: bool = False
-    seed: int = 0
+    # None (default): every privacy draw (noise, Poisson sampling, JL tangents) from OS entropy. An int: all of them
+    # keyed by it, reproducibly; the result is labelled NOT FOR RELEASE (anyone who knows it can subtract the noise).
+    reproducible_privacy_seed: int | None = None
+    secure: bool = False  # refuse anything not for release: a reproducible privacy seed (and so --shuffle)
+    allow_large_delta: bool = False  # accept delta >= 1/N (which permits releasing an example outright)
+    seed: int = 0  # the train/test split and the initial weights only (not privacy draws)
     device: str = "cpu"
     checkpoint: str | None = None
     resume: bool = False
@@ -126,11 +136,19 @@ class TrainConfig:
             check_compile(self.compile, self.compile_backend)
         if self.resume and not self.checkpoint:
             raise ValueError("--resume needs --checkpoint PATH")
-        if self.secure and self.shuffle and VARIANTS[self.variant].private:
+        check_reproducible_seed(self.reproducible_privacy_seed, "reproducible privacy seed")
+        if self.secure and self.reproducible_privacy_seed is not None:
             raise ValueError(
-                "--secure cannot be combined with --shuffle: secure mode draws every privacy-relevant random choice "
-                "from OS entropy and is meant for releasing a model, but shuffled batches come from a seeded "
-                "permutation and have no proven guarantee (the epsilon assumes Poisson sampling); drop --shuffle"
+                "--secure refuses what is not for release, and --reproducible-privacy-seed is not: whoever knows the "
+                "seed can regenerate the run's noise and batches and subtract the noise from the model; drop "
+                "--reproducible-privacy-seed (privacy draws then come from OS entropy, the default)"
+            )
+        if self.shuffle and VARIANTS[self.variant].private and self.reproducible_privacy_seed is None:
+            raise ValueError(
+                "--shuffle is not for a private release: shuffled batches come from a seeded permutation and have no "
+                "proven guarantee (the epsilon assumes Poisson sampling), so a private run with --shuffle is an "
+                "experiment and needs --reproducible-privacy-seed N (its result is then labelled NOT FOR RELEASE); "
+                "for a model to release, drop --shuffle"
             )
 
 
@@ -182,12 +200,21 @@ class Trainer:
         self.device = self.distributed.device(config.device) if self.distributed else torch.device(config.device)
         # The run seed fixes the train/test split and the initial weights (and the global generator, which no
         # privacy draw uses). Neither is a privacy draw: the guarantee holds for every split and initialisation, as
-        # they do not depend on the training examples. Secure mode keeps them seeded, by design (README "Secure mode").
+        # they do not depend on the training examples (docs/privacy-randomness.md).
         torch.manual_seed(config.seed)
         self.data = load_dataset(config.dataset, config.data_dir, seed=config.seed)
         n = self.data.x_train.shape[0]
         if config.batch_size > n:
             raise ValueError(f"batch size {config.batch_size} exceeds the {n} training examples of {config.dataset}")
+        self.private = VARIANTS[config.variant].private
+        if self.private and config.delta >= 1 / n and not config.allow_large_delta:
+            raise ValueError(
+                f"delta={config.delta:g} is >= 1/N = 1/{n} = {1 / n:.3g} for the {n} training examples of "
+                f"{config.dataset}: publishing one training example chosen at random, verbatim, is (0, 1/N)-DP, so a "
+                f"delta this large permits releasing an example outright. Use a delta well below 1/N (e.g. 1e-5, or "
+                f"1/(10 N) = {0.1 / n:.3g}), or pass --allow-large-delta (allow_large_delta=True) if you know why you "
+                "need it (e.g. to compare with a paper that used delta = 1/N)"
+            )
         self.model = build_model(config.model, self.data.input_shape, self.data.num_classes, hidden=config.hidden,
                                  input_bound=config.input_bound, max_weight_norm=config.max_weight_norm)  # fmt: skip
         needs = {"clipless": "lipschitz_mlp", "weightclip": "weightclip_mlp"}.get(config.variant)
@@ -197,22 +224,29 @@ class Trainer:
             )
         self.model.to(self.device)
         self.optimizer = _make_optimizer(config, self.model)
-        self.private = VARIANTS[config.variant].private
-        if config.shuffle or not self.private:
+        # privacy draws: OS entropy unless a reproducible privacy seed is given (the non-private baseline's shuffled
+        # batches are no privacy draw: seeded by --seed)
+        privacy_seed = config.reproducible_privacy_seed if self.private else None
+        if not self.private:
             self.sampler = ShuffleSampler(n, config.batch_size, seed=config.seed)
+        elif config.shuffle:  # validate(): only with a reproducible privacy seed
+            self.sampler = ShuffleSampler(n, config.batch_size, seed=privacy_seed)
         else:
-            self.sampler = PoissonSampler(n, config.batch_size / n, seed=config.seed, secure=config.secure)
+            self.sampler = PoissonSampler(n, config.batch_size / n, reproducible_seed=privacy_seed)
         self.total_steps = config.epochs * len(self.sampler)
         self.accountant = PrivacyAccountant(config.accountant)
         self.projections = VARIANTS[config.variant].accounting_projections(config)
-        self.noise_multiplier = self._noise_multiplier()
-        self.variant = self._make_variant()
-        self.variant.set_precision(config.precision, config.loss_scale)
-        if config.compile is not None:
-            self.variant.compile(config.compile, config.compile_backend)
+        self.num_coordinates = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.physical = physical_batch_size(n, self.sampler.sample_rate) if config.pad else None
         if self.distributed is not None:
             self._join_process_group()
+        self.sigma_from_checkpoint = False  # a resumed calibrated run keeps the sigma its checkpoint was run with
+        self.noise_multiplier = self._noise_multiplier()
+        self.variant = self._make_variant()  # checks sigma
+        self._check_truncation()
+        self.variant.set_precision(config.precision, config.loss_scale)
+        if config.compile is not None:
+            self.variant.compile(config.compile, config.compile_backend)
         self.step = 0
         self.epoch = 0
         self.history: list[dict] = []
@@ -220,7 +254,7 @@ class Trainer:
 
     def _join_process_group(self) -> None:
         """Data-parallel run (``fastdp.train.distributed``): refuse ranks started with different settings or data,
-        start from rank 0's weights, share secure samples, pad per-rank shards, and let rank 0 alone log."""
+        start from rank 0's weights, share OS-entropy samples, pad per-rank shards, and let rank 0 alone log."""
         d = self.distributed
         settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in _PER_RANK_FIELDS}
         settings["data"] = tensor_digest([self.data.x_train, self.data.y_train, self.data.x_test, self.data.y_test])
@@ -242,20 +276,79 @@ class Trainer:
         return self.distributed is None or self.distributed.is_main
 
     def _noise_multiplier(self) -> float | None:
+        """sigma: given, or (resume of a calibrated run) the checkpoint's, or calibrated to the target epsilon over
+        all planned steps at delta minus the truncation bound (``truncation_delta``)."""
         config = self.config
         if not self.private:
             return None
         if config.noise_multiplier is not None:
             return config.noise_multiplier
-        return get_noise_multiplier(config.epsilon, config.delta, self.sampler.sample_rate, self.total_steps,
-                                    accountant=config.accountant, projections=self.projections)  # fmt: skip
+        if config.resume:
+            saved = self._checkpoint_noise_multiplier()
+            if saved is not None:  # keep the run's noise; epsilon then grows with the extra steps (reported)
+                self.sigma_from_checkpoint = True
+                return saved
+
+        def calibrate(delta: float) -> float:
+            return get_noise_multiplier(config.epsilon, delta, self.sampler.sample_rate, self.total_steps,
+                                        accountant=config.accountant, projections=self.projections)  # fmt: skip
+
+        sigma = calibrate(config.delta)
+        spent = self._truncation(sigma, self.total_steps)
+        if 0 < spent <= config.delta / 100 and config.delta - spent < config.delta:
+            sigma = calibrate(config.delta - spent)  # a larger sigma: its truncation bound is smaller still
+        return sigma
+
+    def _checkpoint_noise_multiplier(self) -> float | None:
+        """The sigma recorded in the checkpoint to resume, or None where it cannot be read (``run`` then refuses
+        the file with the reason)."""
+
+        def read() -> float | None:
+            try:
+                state = torch.load(self.config.checkpoint, map_location="cpu", weights_only=True)
+                sigma = state["identity"]["noise_multiplier"]
+            except Exception:  # noqa: BLE001 - any failure: the full check in run() names it
+                return None
+            ok = isinstance(sigma, float) and math.isfinite(sigma) and sigma >= 0
+            return sigma if ok else None
+
+        if not Path(self.config.checkpoint).exists():
+            return None
+        return read() if self.distributed is None else self.distributed.from_main(read)
+
+    def _truncation(self, sigma: float | None, steps: int) -> float:
+        """``truncation_delta`` of ``steps`` steps at ``sigma`` for this run's model (0 for a non-private run, and
+        for sigma = 0, whose epsilon is infinite anyway)."""
+        if not self.private or sigma is None or not 0 < sigma < math.inf:
+            return 0.0
+        return truncation_delta(sigma, steps, self.num_coordinates, self.projections)
+
+    def delta_truncation(self, steps: int | None = None) -> float:
+        """The mass of outputs impossible without an example, over ``steps`` steps (default: the steps taken), at
+        this run's sigma: part of delta (``docs/privacy-randomness.md``)."""
+        return self._truncation(self.noise_multiplier, self.step if steps is None else steps)
+
+    def _check_truncation(self) -> None:
+        """Refuse, before training, a run whose bounded noise alone could spend more than delta / 100."""
+        spent = self.delta_truncation(self.total_steps)
+        limit = self.config.delta / 100
+        if spent > limit:
+            more = ", more --projections" if math.isfinite(self.projections) else ""
+            raise ValueError(
+                f"noise multiplier {self.noise_multiplier:.4g} is too small for {self.total_steps} steps: fastdp's "
+                f"noise is bounded (a sum of 4 Box-Muller draws, at most 13.54 std per pair of coordinates), and "
+                f"the probability that some step's output is impossible without one example is bounded only by "
+                f"{spent:.3g} here ({self.num_coordinates} noised coordinates), above delta/100 = {limit:.3g} "
+                f"(docs/privacy-randomness.md). Use a larger noise multiplier (a smaller --epsilon or a larger "
+                f"--batch-size){more} or fewer steps (--epochs)"
+            )
 
     def _make_variant(self) -> Variant:
         config = self.config
-        # Noise seed: from the run seed (reproducible) unless secure. In secure mode no draw reads it: the variants'
-        # noise and JL tangents pass secure=True, which takes a fresh key and counter from OS entropy per draw; it
-        # is an OS-entropy value anyway, so nothing derived from the run seed reaches a secure variant.
-        noise_seed = os_entropy_seed() if config.secure else (config.seed * 0x9E3779B97F4A7C15 + 1) % 2**63
+        # Noise seed: None (OS entropy, the default) or derived from the reproducible privacy seed. Every release and
+        # every JL tangent is keyed by the variant's PrivacyKeys (fastdp.privacy.rng).
+        privacy_seed = config.reproducible_privacy_seed
+        noise_seed = None if privacy_seed is None else (privacy_seed * 0x9E3779B97F4A7C15 + 1) % 2**63
         return VARIANTS[config.variant].from_config(
             config,
             noise_multiplier=self.noise_multiplier,
@@ -284,8 +377,8 @@ class Trainer:
         """The variant writes this step's gradient; data-parallel: from every rank's shard, noise added once."""
         if self.distributed is None:
             return self.variant.gradient(self.model, batch, self.step)
-        return self.distributed.gradient(self.variant, self.model, batch, self.step,
-                                         secure=self.private and self.config.secure)  # fmt: skip
+        os_entropy = self.private and self.config.reproducible_privacy_seed is None
+        return self.distributed.gradient(self.variant, self.model, batch, self.step, os_entropy=os_entropy)
 
     def _rows(self, indices: torch.Tensor, mask: torch.Tensor) -> Batch:
         x = self.data.x_train[indices].to(self.device)
@@ -293,7 +386,10 @@ class Trainer:
         return Batch(x, y, mask.to(self.device))
 
     def epsilon(self) -> float:
-        return self.accountant.get_epsilon(self.config.delta) if self.private else math.inf
+        """Epsilon of the steps taken, at delta minus their truncation bound (``delta_truncation``)."""
+        if not self.private:
+            return math.inf
+        return self.accountant.get_epsilon(self.config.delta - self.delta_truncation())
 
     def _step_budget(self) -> int:
         """Steps allowed in total: all planned ones, or (sigma and a target epsilon both given) the most whose
@@ -306,7 +402,7 @@ class Trainer:
         def eps(steps: int) -> float:
             probe = PrivacyAccountant(self.config.accountant)
             probe.step(sigma, q, steps, projections=self.projections)
-            return probe.get_epsilon(self.config.delta)
+            return probe.get_epsilon(self.config.delta - self.delta_truncation(steps))
 
         if eps(self.total_steps) <= target:
             return self.total_steps
@@ -334,6 +430,10 @@ class Trainer:
         config = self.config
         if config.resume:
             self.load_checkpoint(config.checkpoint)
+            if self.sigma_from_checkpoint:
+                _log(config, f"resuming with sigma={self.noise_multiplier:.4f}, as calibrated for the checkpointed "
+                             f"run's epsilon={config.epsilon}: steps beyond that run spend more than that epsilon "
+                             "(the result reports the epsilon spent)")  # fmt: skip
         _log(config, self._header())
         budget = self._step_budget()
         while self.epoch < config.epochs and self.step < budget:
@@ -398,9 +498,14 @@ class Trainer:
         if self.private:
             text += (
                 f", C={c.clip_norm}, sigma={self.noise_multiplier:.4f}, q={self.sampler.sample_rate:.5f}, "
-                f"delta={c.delta:g}, accountant {c.accountant}"
+                f"delta={c.delta:g}, accountant {c.accountant}, privacy randomness {self._randomness()}"
             )
         return text
+
+    def _randomness(self) -> str | None:
+        if not self.private:
+            return None
+        return OS_ENTROPY if self.config.reproducible_privacy_seed is None else REPRODUCIBLE
 
     @staticmethod
     def _format(record: dict) -> str:
@@ -421,6 +526,8 @@ class Trainer:
             "data_source": self.data.source,
             "epsilon": self.epsilon(),
             "delta": c.delta if self.private else None,
+            "delta_truncation": self.delta_truncation() if self.private else None,
+            "privacy_randomness": self._randomness(),
             "accountant": c.accountant if self.private else None,
             "sampling": "shuffle" if isinstance(self.sampler, ShuffleSampler) else "poisson",
             "steps": self.step,
@@ -440,10 +547,21 @@ class Trainer:
                 "batches were shuffled, not Poisson-sampled: the reported epsilon assumes Poisson sampling "
                 "and is not a proven guarantee for this run"
             )
-        if self.private and c.secure:
-            result["note_secure"] = (
-                "secure mode: noise, Poisson sampling and JL tangents drawn from OS entropy (the run is not "
-                "replayable); the train/test split and the initial weights are seeded, as they are not privacy draws"
+        if self.private and c.reproducible_privacy_seed is not None:
+            result["note_privacy_randomness"] = (
+                "NOT FOR RELEASE: noise, sampling and JL tangents were keyed by --reproducible-privacy-seed, so "
+                "anyone who knows it (and the code) can regenerate the noise and subtract it from the model; train "
+                "without it (privacy draws from OS entropy, the default) for a model to publish"
+            )
+        elif self.private:
+            result["note_privacy_randomness"] = (
+                "noise, Poisson sampling and JL tangents drawn from OS entropy (the run is not replayable); the "
+                "train/test split and the initial weights are seeded by --seed, as they are not privacy draws"
+            )
+        if self.private and c.epsilon is not None and result["epsilon"] > c.epsilon:
+            result["note_epsilon"] = (
+                f"epsilon spent {result['epsilon']:.4g} exceeds the target {c.epsilon:g}: the run was resumed past "
+                f"the steps its noise multiplier {self.noise_multiplier:.4g} was calibrated for"
             )
         return result
 
@@ -462,7 +580,26 @@ class Trainer:
             "noise_multiplier": self.noise_multiplier,
             "clip_norm": c.clip_norm if self.private else None,
             "shuffle": isinstance(self.sampler, ShuffleSampler),
+            "num_examples": self.data.x_train.shape[0],
+            "sample_rate": self.sampler.sample_rate,
         }
+        if self.private:  # everything a resumed run's guarantee depends on must be the same
+            identity.update({
+                "epsilon": c.epsilon,
+                "delta": c.delta,
+                "precision": c.precision,
+                "loss_scale": resolve_loss_scale(c.precision, c.loss_scale),
+                "privacy_randomness": "os-entropy" if c.reproducible_privacy_seed is None else "reproducible",
+                "reproducible_privacy_seed": c.reproducible_privacy_seed,
+            })  # fmt: skip
+            if c.variant == "jl":
+                identity["projections"] = c.projections
+            if c.variant == "backprop":
+                identity["input_clip"] = c.input_clip
+            if c.variant in ("clipless", "weightclip"):
+                identity.update({"tau": c.tau, "noise_strategy": c.noise_strategy})
+            if c.model in ("lipschitz_mlp", "weightclip_mlp"):
+                identity.update({"input_bound": c.input_bound, "max_weight_norm": c.max_weight_norm})
         if self._world_size() > 1:  # data-parallel: a resume must use as many processes
             identity["world_size"] = self._world_size()
         return identity
@@ -537,10 +674,20 @@ class Trainer:
                 f"and summation order depend on it, so the resumed run would not continue the same computation); "
                 f"resume with --nproc {saved_world}" + ("" if saved_world > 1 else " (or without --nproc)")
             )
-        if state["identity"] != self._identity():
+        saved, current = state["identity"], self._identity()
+        if saved != current:
+
+            def shown(identity: dict, key: str) -> str:
+                return repr(identity[key]) if key in identity else "(absent)"
+
+            keys = [k for k in dict.fromkeys([*saved, *current])
+                    if (k in saved) != (k in current) or saved.get(k) != current.get(k)]  # fmt: skip
+            differ = [f"{k}: {shown(saved, k)} in the checkpoint, {shown(current, k)} here" for k in keys]
             raise ValueError(
-                f"checkpoint {path} was written by a different run: {state['identity']} vs this run's "
-                f"{self._identity()}; resume with the same settings (epochs may grow)"
+                f"checkpoint {path} was written by a different run: " + "; ".join(differ) + ". Every setting its "
+                "privacy guarantee depends on (variant, noise multiplier, clip norms, projections, sample rate, "
+                "N, delta, accountant, precision, privacy randomness, ...) must stay the same on resume; resume "
+                "with the same settings (epochs may grow)"
             )
         return state
 
