@@ -149,6 +149,15 @@ def _scenario_secure_run(rank: int, tmp: Path) -> dict:
             "epsilon": result["epsilon"]}  # fmt: skip
 
 
+def _scenario_epsilon_resume(rank: int, tmp: Path) -> dict:
+    """An --epsilon run resumed with more epochs on 2 processes: rank 0 reads the checkpoint's sigma and sends it."""
+    base = {**RUNS["dpsgd"], "noise_multiplier": None, "epsilon": 3.0}
+    Trainer(TrainConfig(**base, checkpoint=str(tmp / "epsilon.pt"))).run()
+    result = Trainer(TrainConfig(**{**base, "epochs": 2}, checkpoint=str(tmp / "epsilon.pt"), resume=True)).run()
+    return {"steps": result["steps"], "epsilon": result["epsilon"],
+            "sigma": result["variant_config"]["noise_multiplier"]}  # fmt: skip
+
+
 def _scenario_mismatched_seed(rank: int, tmp: Path) -> dict:
     Trainer(TrainConfig(**{**RUNS["dpsgd"], "seed": rank}))
     return {}
@@ -167,6 +176,7 @@ SCENARIOS = {
     "noise": _scenario_noise,
     "secure_run": _scenario_secure_run,
     "jl_tangents": _scenario_jl_tangents,
+    "epsilon_resume": _scenario_epsilon_resume,
     "mismatched_seed": _scenario_mismatched_seed,
     "resume_other_world": _scenario_resume_other_world,
 }
@@ -285,6 +295,11 @@ def test_os_entropy_jl_ranks_and_micro_batches_share_each_steps_tangents(group):
     keys = [{step: {seed for s, seed, _ in rank if s == step} for step in (0, 1)} for rank in used]
     assert keys[0] == keys[1] and len(used[1]) >= 2 * 3  # 3 micro-batches a step on rank 1, each drawing tangents
     assert all(len(k) == 1 for k in keys[0].values()) and keys[0][0] != keys[0][1]
+
+
+def test_an_epsilon_run_resumes_with_its_sigma_on_two_processes(group):
+    ranks = _ok(group, "epsilon_resume")
+    assert ranks[0] == ranks[1] and ranks[0]["steps"] == 14 and ranks[0]["epsilon"] > 3.0
 
 
 def test_mismatched_seeds_are_refused(group):

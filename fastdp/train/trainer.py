@@ -303,17 +303,15 @@ class Trainer:
         """The sigma recorded in the checkpoint to resume, or None where it cannot be read (``run`` then refuses
         the file with the reason)."""
 
-        def read() -> float | None:
+        def read() -> float | None:  # data-parallel: on rank 0 only, the one that reads checkpoints
             try:
                 state = torch.load(self.config.checkpoint, map_location="cpu", weights_only=True)
                 sigma = state["identity"]["noise_multiplier"]
-            except Exception:  # noqa: BLE001 - any failure: the full check in run() names it
+            except Exception:  # noqa: BLE001 - any failure (no file included): the full check in run() names it
                 return None
             ok = isinstance(sigma, float) and math.isfinite(sigma) and sigma >= 0
             return sigma if ok else None
 
-        if not Path(self.config.checkpoint).exists():
-            return None
         return read() if self.distributed is None else self.distributed.from_main(read)
 
     def _truncation(self, sigma: float | None, steps: int) -> float:
