@@ -27,6 +27,8 @@ from fastdp.algorithms.base import (
     trainable_parameters,
 )
 from fastdp.nn.backprop import (
+    BackpropClipConv2d,
+    BackpropClipLinear,
     check_backprop_supported,
     convert_backprop,
     parameter_sensitivities,
@@ -83,6 +85,10 @@ class BackpropClip(Variant):
         if id(model) not in self._prepared:
             convert_backprop(model, self.input_clip, self.grad_clip)
             self._prepared.add(id(model))
+
+    def row_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The clipping layers: each clips its input rows (C1) and output-gradient rows (C2) one example per row."""
+        return [m for m in model.modules() if isinstance(m, (BackpropClipLinear, BackpropClipConv2d))]
 
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         self.prepare(model)

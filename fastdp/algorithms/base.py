@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdp.nn.layers import own_trainable
+from fastdp.nn.rows import RowProbe
 from fastdp.ops import add_noise_
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 
@@ -47,7 +48,6 @@ SUMMED_IN_LOW_PRECISION = (
     "up to 2^-8 (2^-11) of the batch's summed gradient: more than its bound once the batch exceeds 256 (2048) "
     "examples"
 )
-
 
 # Trainable-parameter dtypes a private variant accepts (Variant.check_parameters): with bf16/fp16 parameters the
 # model's whole forward and backward, and so each weight gradient summed over the batch, are in that dtype.
@@ -231,6 +231,32 @@ class Variant(abc.ABC):
         release = torch.compile(self.release, mode=release_mode, backend=backend)
         self._compiled = (clipped_sum, release, cudagraphs)
 
+    def row_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Modules whose input rows this variant processes one example per row (per-example norms or clipping);
+        :meth:`_check_rows` checks that each row is one example. None by default: the per-example losses are
+        checked for every private variant."""
+        return []
+
+    def _check_rows(self, model: torch.nn.Module, batch: Batch) -> None:
+        """Private variants: refuse a model in which one example changes another's loss, or another row of a
+        :meth:`row_layers` input (a sequence-first layout, an operation over the batch), by experiment, once per
+        shape signature (:class:`fastdp.nn.rows.RowProbe`; outside compiled code, after each micro-batch's clipped
+        sum and before the release, so a variant's own named refusals come first)."""
+        if not self.private or batch.x.shape[0] < 2:
+            return
+        probe = self.__dict__.setdefault("_row_probe", RowProbe())
+
+        def losses(x: torch.Tensor) -> torch.Tensor:
+            return self.loss_fn(self._forward(model, x), batch.y)
+
+        with torch.no_grad():
+            probe.check(losses, model, batch.x, self.row_layers(model), f"variant {self.name!r}",
+                        before=lambda: self.check_model(model))  # fmt: skip
+
+    def check_model(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook, nothing by default
+        """Refuse a model the variant cannot bound, naming what is wrong; run before the row probe (when one is due),
+        for checks the variant otherwise makes later in the step (e.g. at the release)."""
+
     def prepare(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook, nothing by default
         """Called before every micro-batch, outside compiled code: one-time model changes (layer conversion)."""
 
@@ -240,18 +266,20 @@ class Variant(abc.ABC):
         """:meth:`clipped_sum`, compiled after :meth:`compile`."""
         self.prepare(model)
         if self._compiled is None:
-            return self.clipped_sum(model, batch, step)
-        clipped_sum, _, cudagraphs = self._compiled
-        cudagraphs = cudagraphs and batch.x.is_cuda  # inductor captures CUDA graphs on CUDA devices only
-        if cudagraphs:  # a new replay: the outputs of the previous one may be overwritten from here on
-            torch.compiler.cudagraph_mark_step_begin()
-        sums, loss = clipped_sum(model, batch, step)
-        if cudagraphs:  # CUDA-graph outputs live in the graph's pool: copy out what the step keeps
-            sums, loss = [s.clone() for s in sums], loss.clone()
-            for name in self._graph_state:
-                value = getattr(self, name)
-                if isinstance(value, torch.Tensor):
-                    setattr(self, name, value.clone())
+            sums, loss = self.clipped_sum(model, batch, step)
+        else:
+            clipped_sum, _, cudagraphs = self._compiled
+            cudagraphs = cudagraphs and batch.x.is_cuda  # inductor captures CUDA graphs on CUDA devices only
+            if cudagraphs:  # a new replay: the outputs of the previous one may be overwritten from here on
+                torch.compiler.cudagraph_mark_step_begin()
+            sums, loss = clipped_sum(model, batch, step)
+            if cudagraphs:  # CUDA-graph outputs live in the graph's pool: copy out what the step keeps
+                sums, loss = [s.clone() for s in sums], loss.clone()
+                for name in self._graph_state:
+                    value = getattr(self, name)
+                    if isinstance(value, torch.Tensor):
+                        setattr(self, name, value.clone())
+        self._check_rows(model, batch)  # after the variant's own (named) refusals, before anything is released
         return sums, loss
 
     def _release_step(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:

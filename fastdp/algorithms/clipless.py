@@ -122,6 +122,11 @@ class Clipless(Variant):
             stds = self.noise_stds(model)
         release_noisy_mean(trainable_parameters(model), sums, stds, self.expected_batch_size, self.keys, step)
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        """The Lipschitz bound rules (their refusal names every layer without one), before the row probe."""
+        with torch.no_grad():
+            self.noise_stds(model)
+
     def after_step(self, model: torch.nn.Module) -> None:
         with deferred_finite_checks():
             project_(model)

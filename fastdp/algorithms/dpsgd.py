@@ -338,6 +338,11 @@ class DPSGD(Variant):
             convert(model)
             self._prepared.add(id(model))
 
+    def row_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Ghost mode: every DP layer's input rows are normed and clipped per example (reference mode: torch.func
+        takes each example alone, only the losses are checked)."""
+        return dp_layers(model) if self.mode == "ghost" else []
+
     def _noise_stds(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[float]:
         """Noise std per trainable parameter tensor (``params``, in ``trainable_parameters`` order; on the sum)."""
         if isinstance(self.clip_norm, float):

@@ -1,0 +1,159 @@
+"""Each row of a batch must be one example: a probe that the shapes cannot fool.
+
+Every per-example bound in fastdp rests on one property: example i's loss, and the input rows that a DP layer clips or
+norms per example, depend on example i alone. A comparison of sizes cannot establish it: a layer called on a
+``[T, B, d]`` view passes a "first dimension == B" check when T == B (micro-batch size = sequence length), and is then
+clipped per position, not per example; a model that mixes examples (a statistic over the batch, a layer applied along
+the batch dimension after a transpose) passes any shape check.
+
+The probe establishes it for a batch by experiment: it runs the model's forward twice, the second time with one
+example's input replaced by another example's, and requires that nothing else changes: the per-example losses of the
+other examples, and the other rows of every watched layer's input. Same shapes, same kernels, same dropout masks
+(the generator state is forked and reset for both runs), so an unchanged row is bitwise unchanged; a tolerance of
+``TOLERANCE`` of the tensor's largest value absorbs kernels that are not bitwise reproducible. A batch whose examples
+are all the same is probed on random inputs of its shape instead (for token ids: ids up to the batch's largest); an
+experiment that stays inconclusive (a batch of one, or of token id 0 only) says so, proves nothing, and the next batch
+is probed.
+
+Models whose computation does not depend on the data's values (no data-dependent control flow over the batch) give
+the same answer for every batch of the same shape; :class:`RowProbe` therefore probes once per shape signature: the
+input's shape without the batch size, the modules' train/eval modes, and, when the batch size equals a size seen
+inside the model (where a coincidence of sizes could hide a layout error), the batch size itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from fastdp.nn import UnsupportedLayerError
+
+TOLERANCE = 1e-6
+_PROBE_SEED = 0x5EED
+
+
+def _rows_differ(before: torch.Tensor, after: torch.Tensor, keep: torch.Tensor) -> bool:
+    """Whether rows ``keep`` of ``before`` and ``after`` differ beyond TOLERANCE of the largest magnitude (NaN
+    compared as equal to NaN)."""
+    if before.shape != after.shape:
+        return True
+    a, b = before[keep], after[keep]
+    if not a.is_floating_point():
+        return bool((a != b).any())
+    same = (a == b) | (a.isnan() & b.isnan())
+    if bool(same.all()):
+        return False
+    scale = float(torch.nan_to_num(before.detach().abs(), posinf=0.0).max()) if before.numel() else 0.0
+    diff = torch.where(same, 0.0, (a.double() - b.double()).abs())
+    return bool((torch.nan_to_num(diff, nan=float("inf")) > TOLERANCE * max(scale, 1e-30)).any())
+
+
+def _pick(x: torch.Tensor) -> tuple[int, int] | None:
+    """(k, m): example k's input is replaced by example m's, which differs from it; None if all rows are equal."""
+    flat = x.reshape(x.shape[0], -1)
+    for m in range(1, x.shape[0]):
+        if not torch.equal(flat[0], flat[m]):
+            return 0, m
+    return None
+
+
+@contextlib.contextmanager
+def _same_randomness(device: torch.device):
+    """Fork the generators (the step's own randomness is untouched) and seed them identically for each run."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        yield
+
+
+def probe_rows(run, model: nn.Module, x: torch.Tensor, layers: list[nn.Module], what: str) -> set[int] | None:
+    """Run ``run(x)`` (per-example losses [B]) on ``x`` and on ``x`` with one example's input replaced, watching the
+    inputs of ``layers``; raise :class:`UnsupportedLayerError` if another example's loss or another row of a watched
+    layer's input changed. Returns the sizes seen inside the model (every non-leading dimension of the watched
+    inputs and outputs), or None if the probe was inconclusive (fewer than two distinct examples)."""
+    batch = x.shape[0]
+    if batch < 2:
+        return None
+    pick = _pick(x)
+    if pick is None:  # every example is the same: probe on random inputs of the batch's shape (and value range)
+        gen = torch.Generator(device=x.device).manual_seed(_PROBE_SEED)
+        if x.is_floating_point():
+            x = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32).to(x.dtype)
+        else:
+            high = int(x.max()) + 1
+            x = torch.randint(0, high, x.shape, generator=gen, device=x.device, dtype=x.dtype)
+        pick = _pick(x)
+        if pick is None:
+            return None
+    k, m = pick
+    perturbed = x.clone()
+    perturbed[k] = x[m]
+    keep = torch.ones(batch, dtype=torch.bool, device=x.device)
+    keep[k] = False
+    names = {id(module): name or "<model>" for name, module in model.named_modules()}
+    runs = []
+    for inputs in (x, perturbed):
+        seen: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+
+        def record(module, args, output, seen=seen):
+            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                seen.append((module, args[0].detach().clone(), output.detach()))
+
+        handles = [layer.register_forward_hook(record) for layer in layers]
+        try:
+            with _same_randomness(x.device):
+                torch.manual_seed(_PROBE_SEED)
+                losses = run(inputs).detach()
+        finally:
+            for handle in handles:
+                handle.remove()
+        runs.append((losses, seen))
+    (losses, seen), (losses_p, seen_p) = runs
+    mixed = []
+    if _rows_differ(losses, losses_p, keep):
+        mixed.append("the per-example losses (the loss or the model mixes examples)")
+    for (layer, a, _), (_, a_p, _) in zip(seen, seen_p, strict=False):
+        if a.dim() == 0 or a.shape[0] != batch or _rows_differ(a, a_p, keep):
+            mixed.append(f"{names.get(id(layer), '?')} ({type(layer).__name__}), input of shape {tuple(a.shape)}")
+    if len(seen) != len(seen_p):
+        mixed.append("the layers called (the model's control flow depends on the data)")
+    if mixed:
+        raise UnsupportedLayerError(
+            f"{what} needs each row of the batch to be one example, but changing example {k} alone changed other "
+            "rows of: " + "; ".join(dict.fromkeys(mixed)) + ". A layer called on a sequence-first [T, B, ...] view "
+            "(e.g. nn.MultiheadAttention or an RNN without batch_first=True, or a transpose before a Linear) is "
+            "applied per position, not per example, and an operation over the batch dimension (batch statistics, "
+            "a layer applied along it) makes one example change the others: keep inputs batch-first and every "
+            "example's computation its own"
+        )
+    sizes = set()
+    for _, a, out in seen:
+        sizes.update(a.shape[1:])
+        sizes.update(out.shape[1:])
+    return sizes
+
+
+class RowProbe:
+    """Runs :func:`probe_rows` once per shape signature of a model's batches (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._inner: dict[tuple, set[int]] = {}  # signature without batch size -> sizes seen inside the model
+        self._done: set[tuple] = set()
+
+    def check(self, run, model: nn.Module, x: torch.Tensor, layers: list[nn.Module], what: str, before=None) -> None:
+        """Probe ``model`` on ``x`` unless a batch of the same signature was probed; ``before()`` runs first when a
+        probe is due (a variant's own checks, whose named refusals say more than the probe's)."""
+        modes = tuple(m.training for m in model.modules())
+        key = (id(model), tuple(x.shape[1:]), x.dtype, x.device.type, modes, tuple(id(layer) for layer in layers))
+        inner = self._inner.get(key)
+        full = (*key, x.shape[0] if inner is None or x.shape[0] in inner else None)
+        if full in self._done:
+            return
+        if before is not None:
+            before()
+        sizes = probe_rows(run, model, x, layers, what)
+        if sizes is None:
+            return  # inconclusive: probe again with the next batch
+        self._inner[key] = self._inner.get(key, set()) | sizes
+        self._done.add((*key, x.shape[0] if x.shape[0] in self._inner[key] else None))

@@ -1,0 +1,109 @@
+"""Each row of a batch must be one example (privacy review, hole 5): a layer called on a [T, B, d] view passed the
+"first dimension == batch size" check when T == B, and ghost mode then clipped per position (1.45-2.7 C measured);
+a model that mixes examples passes any shape check. The row probe (fastdp.nn.rows) decides by experiment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fastdp.algorithms import Batch
+from fastdp.nn import UnsupportedLayerError
+from fastdp.nn import rows as rows_module
+from tests.variants import make_variant, small_model
+
+PRIVATE = ("dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "clipless", "weightclip", "backprop")
+
+
+class SequenceFirst(nn.Module):
+    """Linear applied on a [T, B, d] view, pooled over positions: per example in value, per position in layout."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(d, 16), nn.Linear(16, 3)
+        self.head.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.lin(x.transpose(0, 1)).mean(0))
+
+
+class Centred(nn.Module):
+    """``model(x - x.mean(0))``: every example's output depends on the whole batch."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x - x.mean(0, keepdim=True))
+
+
+def step(variant, model, x, y, index=0):
+    variant.gradient(model, Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool)), index)
+
+
+@pytest.mark.parametrize("name", ["dpsgd", "backprop"])
+def test_a_sequence_first_layer_with_as_many_positions_as_examples_is_refused(name):
+    torch.manual_seed(3)
+    x, y = torch.randn(4, 4, 8) * 3, torch.randint(0, 3, (4,))  # T == B == 4
+    with pytest.raises(UnsupportedLayerError, match=r"lin \(.*input of shape \(4, 4, 8\)"):
+        step(make_variant(name, 2.0, 8), SequenceFirst(), x, y)
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_model_that_mixes_examples_is_refused_by_every_private_variant(name):
+    torch.manual_seed(0)
+    model = Centred(small_model(name.split("-")[0], 6, 3))
+    x, y = torch.rand(8, 6), torch.randint(0, 3, (8,))
+    # clipless/weightclip may name the wrapper first: it has no Lipschitz bound rule (a refusal all the same)
+    lipschitz = name in ("clipless", "weightclip")
+    expected = "per-example losses|no Lipschitz bound rule" if lipschitz else "per-example losses"
+    with pytest.raises(ValueError, match=expected):
+        step(make_variant(name, 4.0, 64), model, x, y)
+
+
+def test_the_non_private_baseline_is_not_probed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rows_module, "probe_rows", lambda *a: calls.append(a))
+    model = Centred(small_model("nonprivate", 6, 3))
+    step(make_variant("nonprivate", 4.0, 64), model, torch.rand(8, 6), torch.randint(0, 3, (8,)))
+    assert calls == []
+
+
+def test_batch_first_models_pass_and_are_probed_once_per_shape_signature(monkeypatch):
+    probes = []
+    real = rows_module.probe_rows
+    monkeypatch.setattr(rows_module, "probe_rows", lambda *a: probes.append(a[2].shape) or real(*a))
+    variant, model = make_variant("dpsgd", 4.0, 64), small_model("dpsgd", 6, 3)
+    for index, batch in enumerate((8, 5, 9, 8, 5, 16)):  # 16 = the hidden size: a size seen inside the model
+        step(variant, model, torch.rand(batch, 6), torch.randint(0, 3, (batch,)), index)
+    assert [s[0] for s in probes] == [8, 16]
+    model.eval()  # another mode: probed again
+    step(variant, model, torch.rand(8, 6), torch.randint(0, 3, (8,)), 6)
+    assert len(probes) == 3
+
+
+def test_identical_examples_are_probed_on_random_inputs():
+    variant, model = make_variant("dpsgd", 4.0, 64), Centred(small_model("dpsgd", 6, 3))
+    same = torch.rand(1, 6).expand(4, 6).clone()  # four identical examples: nothing to compare in the batch itself
+    with pytest.raises(UnsupportedLayerError, match="per-example losses"):
+        step(variant, model, same, torch.zeros(4, dtype=torch.long))
+
+
+class CentredTokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(5, 4), nn.Linear(4, 3)
+
+    def forward(self, idx):
+        x = self.embedding(idx)
+        return self.head((x - x.mean(0, keepdim=True)).mean(1))
+
+
+def test_an_inconclusive_batch_is_probed_again():
+    variant, model = make_variant("dpsgd", 4.0, 64), CentredTokens()
+    zeros = torch.zeros(4, 3, dtype=torch.long)  # only token 0, in every example: no experiment can tell
+    step(variant, model, zeros, torch.zeros(4, dtype=torch.long))
+    with pytest.raises(UnsupportedLayerError, match="per-example losses"):
+        step(variant, model, torch.randint(0, 5, (4, 3)), torch.zeros(4, dtype=torch.long), 1)
