@@ -2,6 +2,7 @@
 membership audits and the deliberately broken variant's, written as markdown (default ``bench/results/audit.md``).
 
 Exit status 0 iff every private variant passes all three audits and the broken variant is caught; 1 otherwise.
+The sensitivity fuzzer (``fastdp.audit.fuzz``) runs after the cases (``--no-fuzz`` skips it).
 ``--quick`` runs test-sized samples (about 2 minutes); the default sizes take 4.5 minutes on 2 quiet CPU cores,
 up to 13 on shared ones (DP-SGD-JL, whose every step draws r tangents, 40 % of it).
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdp.audit.fuzz import FuzzReport, format_report, run_fuzz
 from fastdp.audit.membership import MembershipAudit, membership_audit
 from fastdp.audit.noise import NoiseAudit, noise_audit
 from fastdp.audit.sensitivity import SensitivityAudit, sensitivity_audit
@@ -42,9 +44,10 @@ class Settings:
     delta: float = 1e-5
     alpha: float = DEFAULT_ALPHA  # level of each noise / JL statistic
     seed: int = 0
+    fuzz_examples: int = 1500  # sensitivity-fuzzer cases (fastdp.audit.fuzz)
 
 
-QUICK = Settings(noise_steps=200, search=16, jl_steps=100, select=200, runs=500)
+QUICK = Settings(noise_steps=200, search=16, jl_steps=100, select=200, runs=500, fuzz_examples=200)
 
 
 @dataclass
@@ -99,7 +102,8 @@ def _f(x: float, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def render(results: list[CaseResult], settings: Settings, seconds: float, command: str) -> str:
+def render(results: list[CaseResult], settings: Settings, seconds: float, command: str,
+           fuzz: FuzzReport | None = None) -> str:  # fmt: skip
     """The markdown report."""
     s = settings
     lines = [
@@ -198,6 +202,20 @@ def render(results: list[CaseResult], settings: Settings, seconds: float, comman
         result = "no claim" if math.isinf(m.accountant_epsilon) else ("pass" if m.passed else "EXCEEDS the claim")
         lines.append(f"| `{r.name}` | {_f(m.accountant_epsilon)} | {m.epsilon_lower_bound:.3f} | {m.tpr:.4f} | "
                      f"{m.fpr:.4f} | {sep} | {result} |")  # fmt: skip
+    if fuzz is not None:
+        lines += [
+            "",
+            f"## Sensitivity fuzzer ({s.fuzz_examples} cases: {'pass' if fuzz.passed else 'FAIL'})",
+            "",
+            "Random architectures x adversarial batches x variants x precisions (`fastdp/audit/fuzz.py`): each "
+            "target example's leave-one-out change of the noiseless release against the claimed bound, or a clear "
+            "refusal. *stopped*: an fp32/fp64 release with a non-finite example is not finite (the trainer stops the "
+            "run, no epsilon). Failures are *violation*, *crash* (not a clear error) and *must-refuse* (a case that "
+            "breaks the bound ran: low-precision parameters, a [T, B, d] layout with T == B, batch statistics in "
+            "eval mode).",
+            "",
+            format_report(fuzz),
+        ]
     lines += ["", "## Settings", "", "```", *(f"{k} = {v}" for k, v in dataclasses.asdict(s).items()), "```", ""]
     return "\n".join(lines)
 
@@ -209,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", choices=[*CASES, BROKEN], help="audit only these (default: all)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: the steps are tiny; more threads only contend)")  # fmt: skip
+    parser.add_argument("--no-fuzz", dest="fuzz", action="store_false", help="skip the sensitivity fuzzer")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     settings = QUICK if args.quick else Settings()
@@ -219,10 +238,16 @@ def main(argv: list[str] | None = None) -> int:
         result = run_case(name, settings, index)
         print(f"{name}: {result.verdict} ({result.seconds:.0f} s)", file=sys.stderr, flush=True)
         results.append(result)
+    fuzz = None
+    if args.fuzz:
+        fuzz_start = time.perf_counter()
+        fuzz = run_fuzz(settings.fuzz_examples, settings.seed)
+        verdict = "pass" if fuzz.passed else f"FAIL ({len(fuzz.failures)} failures)"
+        print(f"fuzzer: {verdict} ({time.perf_counter() - fuzz_start:.0f} s)", file=sys.stderr, flush=True)
     command = "python -m fastdp.audit " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = render(results, settings, time.perf_counter() - start, command.strip())
+    report = render(results, settings, time.perf_counter() - start, command.strip(), fuzz)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(report)
     print(f"wrote {args.out}", file=sys.stderr)
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if all(r.ok for r in results) and (fuzz is None or fuzz.passed) else 1

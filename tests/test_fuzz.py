@@ -1,0 +1,36 @@
+"""The sensitivity fuzzer's fast slice (the full fuzz runs in ``make audit``): random architectures x adversarial
+batches x variants x precisions, each example's leave-one-out change of the noiseless release within its claimed
+bound, or a clear refusal (fastdp.audit.fuzz)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastdp.audit import fuzz
+
+
+def test_the_fast_slice_finds_no_violation_crash_or_missing_refusal():
+    report = fuzz.run_fuzz(160, fuzz_seed=1)
+    assert report.passed, fuzz.format_report(report)
+    statuses = {o.status for o in report.outcomes}
+    assert {"ok", "refused"} <= statuses  # both kinds of outcome were exercised
+
+
+@pytest.mark.parametrize("architecture", ["sequence-first", "batchnorm-eval"])
+def test_cases_that_break_the_bound_are_refused_by_every_private_variant(architecture):
+    report = fuzz.run_fuzz(30, fuzz_seed=2, architectures_=(architecture,), precisions=("fp32", "fp64"))
+    assert report.passed, fuzz.format_report(report)
+    ran = [o for o in report.outcomes if o.case.variant in fuzz.MUST_REFUSE[architecture]]
+    assert ran and all(o.status == "refused" for o in ran)
+
+
+def test_low_precision_parameters_are_refused():
+    report = fuzz.run_fuzz(20, fuzz_seed=3, precisions=("param-bf16",))
+    assert report.outcomes and all(o.status == "refused" for o in report.outcomes)
+
+
+def test_a_violation_is_reported_as_a_failure():
+    """The harness itself: an outcome over the bound fails the report."""
+    case = fuzz.FuzzCase("mlp", "dpsgd", "fp32", "huge", 4, 1e3, 0)
+    report = fuzz.FuzzReport([fuzz.Outcome(case, "ok", 0.5), fuzz.Outcome(case, "violation", 1.3)])
+    assert not report.passed and len(report.failures) == 1 and "violation" in fuzz.format_report(report)
