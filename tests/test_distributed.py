@@ -25,22 +25,14 @@ from fastdp.privacy.sampling import micro_batches
 from fastdp.train.cli import _without_nproc, main
 from fastdp.train.distributed import DataParallel
 from fastdp.train.trainer import TrainConfig, Trainer
+from tests.test_trainer import FAST as TRAINER_FAST
 from tests.variants import make_variant, small_model
 
 WORLD = 2
 N, FEATURES, CLASSES, ROWS = 20_000, 12, 3, 96
-# runs are compared with one process: privacy draws keyed by a reproducible seed (NOT FOR RELEASE); the default, OS
-# entropy, is the os_entropy_run scenario
-FAST = dict(
-    dataset="breast_cancer",
-    epochs=1,
-    batch_size=64,
-    lr=0.5,
-    momentum=0.9,
-    quiet=True,
-    progress=False,
-    reproducible_privacy_seed=0,
-)
+# runs are compared with one process: privacy draws keyed by a reproducible seed (NOT FOR RELEASE, as the trainer
+# tests' settings); the default, OS entropy, is the os_entropy_run scenario
+FAST = {**TRAINER_FAST, "epochs": 1}
 RUNS = {  # trainer scenarios, each also run in one process here
     "dpsgd": dict(variant="dpsgd", noise_multiplier=1.0, **FAST),
     "dpsgd_padded": dict(variant="dpsgd", noise_multiplier=1.0, pad=True, micro_batch=16, **FAST),

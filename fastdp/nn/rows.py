@@ -9,8 +9,9 @@ the batch dimension after a transpose) passes any shape check.
 The probe establishes it for a batch by experiment: it runs the model's forward twice, the second time with one
 example's input replaced by another example's, and requires that nothing else changes: the per-example losses of the
 other examples, and the other rows of every watched layer's input. Same shapes, same kernels, same dropout masks
-(the generator state is forked and reset for both runs), so an unchanged row is bitwise unchanged; a tolerance of
-``TOLERANCE`` of the tensor's largest value absorbs kernels that are not bitwise reproducible. A batch whose examples
+(the generator state is forked and reset for both runs), so an unchanged row is bitwise unchanged; rows are compared
+through small float64 fingerprints (a random projection, the squared norm, the non-finite count: no activation is
+kept), with a tolerance of ``TOLERANCE`` of each row's norm for kernels that are not bitwise reproducible. A batch whose examples
 are all the same is probed on random inputs of its shape instead (for token ids: ids up to the batch's largest); an
 experiment that stays inconclusive (a batch of one, or of token id 0 only) says so, proves nothing, and the next batch
 is probed.
@@ -34,20 +35,30 @@ TOLERANCE = 1e-6
 _PROBE_SEED = 0x5EED
 
 
-def _rows_differ(before: torch.Tensor, after: torch.Tensor, keep: torch.Tensor) -> bool:
-    """Whether rows ``keep`` of ``before`` and ``after`` differ beyond TOLERANCE of the largest magnitude (NaN
-    compared as equal to NaN)."""
-    if before.shape != after.shape:
+def _fingerprint(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """A small per-row summary of a [B, ...] tensor, whatever its size (the probe keeps no activations): each row's
+    float64 projection on a fixed random direction w, its squared norm, its count of non-finite entries, and |w|.
+    Two rows that differ have different summaries with probability 1."""
+    flat = t.detach().reshape(t.shape[0], -1)
+    finite = torch.isfinite(flat) if flat.is_floating_point() else torch.ones_like(flat, dtype=torch.bool)
+    clean = torch.where(finite, flat, 0).double()
+    gen = torch.Generator(device=t.device).manual_seed(_PROBE_SEED)
+    direction = torch.randn(clean.shape[1], generator=gen, device=t.device, dtype=torch.float64)
+    return clean @ direction, clean.pow(2).sum(1), (~finite).sum(1), float(direction.norm())
+
+
+def _rows_differ(before: tuple, after: tuple, keep: torch.Tensor) -> bool:
+    """Whether rows ``keep`` of two fingerprints differ by more than TOLERANCE of each row's norm (kernels that are
+    not bitwise reproducible move a row by ~1e-7 of it; an example that leaks into another row, by far more)."""
+    (proj, sq, bad, w), (proj_p, sq_p, bad_p, _) = before, after
+    if proj.shape != proj_p.shape:
         return True
-    a, b = before[keep], after[keep]
-    if not a.is_floating_point():
-        return bool((a != b).any())
-    same = (a == b) | (a.isnan() & b.isnan())
-    if bool(same.all()):
-        return False
-    scale = float(torch.nan_to_num(before.detach().abs(), posinf=0.0).max()) if before.numel() else 0.0
-    diff = torch.where(same, 0.0, (a.double() - b.double()).abs())
-    return bool((torch.nan_to_num(diff, nan=float("inf")) > TOLERANCE * max(scale, 1e-30)).any())
+    norm = sq[keep].sqrt()
+    return bool(
+        ((proj[keep] - proj_p[keep]).abs() > TOLERANCE * norm * w + 1e-300).any()
+        | ((sq[keep] - sq_p[keep]).abs() > 2 * TOLERANCE * sq[keep] + 1e-300).any()
+        | (bad[keep] != bad_p[keep]).any()
+    )
 
 
 def _pick(x: torch.Tensor) -> tuple[int, int] | None:
@@ -94,11 +105,13 @@ def probe_rows(run, model: nn.Module, x: torch.Tensor, layers: list[nn.Module], 
     names = {id(module): name or "<model>" for name, module in model.named_modules()}
     runs = []
     for inputs in (x, perturbed):
-        seen: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        seen: list[tuple[nn.Module, torch.Size, tuple, torch.Size]] = []  # layer, input shape and fingerprint, output
 
         def record(module, args, output, seen=seen):
             if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-                seen.append((module, args[0].detach().clone(), output.detach()))
+                a = args[0]
+                summary = _fingerprint(a) if a.dim() and a.shape[0] == batch else None
+                seen.append((module, a.shape, summary, output.shape))
 
         handles = [layer.register_forward_hook(record) for layer in layers]
         try:
@@ -111,11 +124,11 @@ def probe_rows(run, model: nn.Module, x: torch.Tensor, layers: list[nn.Module], 
         runs.append((losses, seen))
     (losses, seen), (losses_p, seen_p) = runs
     mixed = []
-    if _rows_differ(losses, losses_p, keep):
+    if _rows_differ(_fingerprint(losses.reshape(batch, -1)), _fingerprint(losses_p.reshape(batch, -1)), keep):
         mixed.append("the per-example losses (the loss or the model mixes examples)")
-    for (layer, a, _), (_, a_p, _) in zip(seen, seen_p, strict=False):
-        if a.dim() == 0 or a.shape[0] != batch or _rows_differ(a, a_p, keep):
-            mixed.append(f"{names.get(id(layer), '?')} ({type(layer).__name__}), input of shape {tuple(a.shape)}")
+    for (layer, shape, summary, _), (_, _, summary_p, _) in zip(seen, seen_p, strict=False):
+        if summary is None or summary_p is None or _rows_differ(summary, summary_p, keep):
+            mixed.append(f"{names.get(id(layer), '?')} ({type(layer).__name__}), input of shape {tuple(shape)}")
     if len(seen) != len(seen_p):
         mixed.append("the layers called (the model's control flow depends on the data)")
     if mixed:
@@ -128,9 +141,9 @@ def probe_rows(run, model: nn.Module, x: torch.Tensor, layers: list[nn.Module], 
             "example's computation its own"
         )
     sizes = set()
-    for _, a, out in seen:
-        sizes.update(a.shape[1:])
-        sizes.update(out.shape[1:])
+    for _, shape, _, out in seen:
+        sizes.update(shape[1:])
+        sizes.update(out[1:])
     return sizes
 
 
