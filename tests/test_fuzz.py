@@ -10,7 +10,7 @@ from fastdp.audit import fuzz
 
 
 def test_the_fast_slice_finds_no_violation_crash_or_missing_refusal():
-    report = fuzz.run_fuzz(160, fuzz_seed=1)
+    report = fuzz.run_fuzz(420, fuzz_seed=1)
     assert report.passed, fuzz.format_report(report)
     statuses = {o.status for o in report.outcomes}
     assert {"ok", "refused"} <= statuses  # both kinds of outcome were exercised
@@ -34,3 +34,10 @@ def test_a_violation_is_reported_as_a_failure():
     case = fuzz.FuzzCase("mlp", "dpsgd", "fp32", "huge", 4, 1e3, 0)
     report = fuzz.FuzzReport([fuzz.Outcome(case, "ok", 0.5), fuzz.Outcome(case, "violation", 1.3)])
     assert not report.passed and len(report.failures) == 1 and "violation" in fuzz.format_report(report)
+
+
+def test_the_known_open_jl_rounding_hole_is_still_found_and_reported_as_open():
+    """KNOWN_OPEN lists holes still to fix; this fails once JL's fp32 rounding is fixed: then drop the entry."""
+    report = fuzz.run_fuzz(60, fuzz_seed=0, architectures_=("tokenwise",), variants=("jl",), precisions=("fp32",))
+    assert report.passed
+    assert any(o.status == "open" for o in report.outcomes), "no JL rounding case over the bound: drop KNOWN_OPEN"

@@ -11,10 +11,10 @@ example's input replaced by another example's, and requires that nothing else ch
 other examples, and the other rows of every watched layer's input. Same shapes, same kernels, same dropout masks
 (the generator state is forked and reset for both runs), so an unchanged row is bitwise unchanged; rows are compared
 through small float64 fingerprints (a random projection, the squared norm, the non-finite count: no activation is
-kept), with a tolerance of ``TOLERANCE`` of each row's norm for kernels that are not bitwise reproducible. A batch whose examples
-are all the same is probed on random inputs of its shape instead (for token ids: ids up to the batch's largest); an
-experiment that stays inconclusive (a batch of one, or of token id 0 only) says so, proves nothing, and the next batch
-is probed.
+kept), with a tolerance of ``TOLERANCE`` of each row's norm for kernels that are not bitwise reproducible. A batch
+whose examples are all the same is probed on random inputs of its shape instead (for token ids: ids up to the batch's
+largest); an experiment that stays inconclusive (a batch of one, or of token id 0 only) says so, proves nothing, and
+the next batch is probed.
 
 Models whose computation does not depend on the data's values (no data-dependent control flow over the batch) give
 the same answer for every batch of the same shape; :class:`RowProbe` therefore probes once per shape signature: the
