@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdp.audit.fuzz import FuzzReport, format_report, run_fuzz
 from fastdp.audit.membership import MembershipAudit, membership_audit
 from fastdp.audit.noise import NoiseAudit, noise_audit
 from fastdp.audit.sensitivity import SensitivityAudit, sensitivity_audit
@@ -102,8 +101,15 @@ def _f(x: float, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+def fuzz_report(fuzz) -> str:
+    """The fuzzer's markdown (:func:`fastdp.audit.fuzz.format_report`), imported when there is one to render."""
+    from fastdp.audit.fuzz import format_report
+
+    return format_report(fuzz)
+
+
 def render(results: list[CaseResult], settings: Settings, seconds: float, command: str,
-           fuzz: FuzzReport | None = None) -> str:  # fmt: skip
+           fuzz=None) -> str:  # fmt: skip
     """The markdown report."""
     s = settings
     lines = [
@@ -215,7 +221,7 @@ def render(results: list[CaseResult], settings: Settings, seconds: float, comman
             "breaks the bound ran: low-precision parameters, a [T, B, d] layout with T == B, batch statistics in "
             "eval mode).",
             "",
-            format_report(fuzz),
+            fuzz_report(fuzz),
         ]
     lines += ["", "## Settings", "", "```", *(f"{k} = {v}" for k, v in dataclasses.asdict(s).items()), "```", ""]
     return "\n".join(lines)
@@ -240,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {result.verdict} ({result.seconds:.0f} s)", file=sys.stderr, flush=True)
         results.append(result)
     fuzz = None
-    if args.fuzz:
+    if args.fuzz:  # hypothesis (a dev dependency) is imported only here
+        from fastdp.audit.fuzz import run_fuzz
+
         fuzz_start = time.perf_counter()
         fuzz = run_fuzz(settings.fuzz_examples, settings.seed)
         verdict = "pass" if fuzz.passed else f"FAIL ({len(fuzz.failures)} failures)"
