@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fastdp.algorithms import DPSGD, Batch
-from fastdp.ops import certified_ghost_norm_sq
+from fastdp.ops import certified_ghost_norm_sq, certified_token_match_norm_sq
 
 C = 1.0
 
@@ -97,4 +97,17 @@ def test_certified_ghost_norm_bounds_the_exact_norm_and_is_tight_for_ordinary_ro
     exact = torch.einsum("btd,btp->bdp", a.double(), g.double()).pow(2).sum((1, 2))
     assert bound.dtype == torch.float64 and (bound >= exact).all()
     assert (mass >= exact.sqrt()).all()
+    assert torch.allclose(bound[1:], exact[1:], rtol=1e-9)
+
+
+def test_certified_token_match_norm_bounds_the_embedding_gradient_norm():
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 4, (5, 6), generator=gen)
+    g = torch.randn(5, 6, 3, generator=gen, dtype=torch.float64)
+    idx[0] = 2  # one token repeated, gradients cancelling at large magnitude
+    g[0, 0::2], g[0, 1::2] = 1e7 * g[0, 0] + 0.1, -1e7 * g[0, 0]
+    bound, mass = certified_token_match_norm_sq(idx, g.float())
+    exact = torch.zeros(5, 4, 3, dtype=torch.float64).scatter_add_(
+        1, idx.unsqueeze(-1).expand(-1, -1, 3), g.float().double()).pow(2).sum((1, 2))  # fmt: skip
+    assert (bound >= exact).all() and (mass >= exact.sqrt()).all()
     assert torch.allclose(bound[1:], exact[1:], rtol=1e-9)

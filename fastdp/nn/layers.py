@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.nn.ghost import active_context
-from fastdp.ops import certified_ghost_norm_sq
+from fastdp.ops import certified_ghost_norm_sq, certified_token_match_norm_sq
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -336,14 +336,7 @@ class Embedding(nn.Embedding, DPLayer):
             if cache is not None:
                 cache["weight"] = per_example
             return _rowsq(per_example)
-        # token-match Gram in float64 with a rigorous rounding bound (as certified_ghost_norm_sq: |a_t| = 1)
-        g64 = g.to(torch.float64)
-        same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(g64.dtype)  # [B, T, T]
-        exact = (same * torch.bmm(g64, g64.transpose(1, 2))).sum((1, 2)).clamp_min(0)
-        u = torch.finfo(torch.float64).eps / 2
-        mass = torch.linalg.vector_norm(g64, dim=2).sum(1) * (1 + (dim + t + 4) * u * 1.01)
-        bound = exact + ((dim + t * t + 2) * u * 1.01) * mass * mass
-        return _clip_sq(bound, mass, t, _acc(grad_out))
+        return _clip_sq(*certified_token_match_norm_sq(idx, g), t, _acc(grad_out))  # float64, rounding bounded
 
     def clipped_grad_sums(
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None

@@ -26,7 +26,7 @@ import torch
 from fastdp import _backend, _ext
 from fastdp.ref import norms as ref
 
-__all__ = ["certified_ghost_norm_sq", "clip_factors", "ghost_norm_sq"]
+__all__ = ["certified_ghost_norm_sq", "certified_token_match_norm_sq", "clip_factors", "ghost_norm_sq"]
 
 _GHOST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -176,6 +176,14 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     _check_ghost(a, g)
     with torch.no_grad():
         return ref.certified_ghost_norm_sq(a.detach(), g.detach())
+
+
+def certified_token_match_norm_sq(idx: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`certified_ghost_norm_sq` for an embedding's per-example gradient (rows of ``g`` [B, T, dim] scattered by
+    the token ids ``idx`` [B, T]): ``(bound, mass)``, float64 [B] (``fastdp.ref.norms.certified_token_match_norm_sq``);
+    detached."""
+    with torch.no_grad():
+        return ref.certified_token_match_norm_sq(idx.detach(), g.detach())
 
 
 def clip_factors(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

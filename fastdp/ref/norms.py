@@ -90,6 +90,21 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     return out.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
 
 
+def certified_token_match_norm_sq(idx: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`certified_ghost_norm_sq` for an embedding: ``(bound, mass)``, float64 [B], with ``bound[i] >=
+    sum_{t,s} [idx_t == idx_s] (g_t . g_s)`` (the squared norm of the per-example gradient, rows scattered by token)
+    and ``mass[i] >= sum_t |g_t|``: the Gram of one-hot inputs (|a_t| = 1), the same rigorous rounding bound.
+    idx: [B, T] token ids, g: [B, T, dim] (padding rows zeroed)."""
+    acc = torch.float64
+    dim, seq = g.shape[2], g.shape[1]
+    u = unit_roundoff(acc)
+    g64 = g.to(acc)
+    same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(acc)  # [B, T, T]
+    exact = (same * torch.bmm(g64, g64.transpose(1, 2))).sum((1, 2))
+    mass = torch.linalg.vector_norm(g64, dim=2).sum(1) * (1 + _gamma(dim + seq + 4, u))
+    return exact.clamp_min(0) + _gamma(dim + seq * seq + 2, u) * mass * mass, mass
+
+
 def per_example_grad_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``||a_i^T g_i||_F^2`` from the explicitly formed per-example gradients [B, d, p] (the definition)."""
     acc = accumulation_dtype(a.dtype)
