@@ -1,8 +1,9 @@
 """DP-SGD-JL step time vs the number of projections r, beside non-private torch and fastdp DP-SGD (exact norms).
 
-papers/03 Table 2: time grows about linearly in r (one jvp per projection, r tangents per vmapped chunk). One
-step = norm estimates (r jvp's), one re-weighted forward/backward, noise, optimizer step; same model and batch for
-every provider, timed side by side (``harness.compare``). Results go to bench/results/<device>-jl.csv.
+papers/03 Table 2: time grows about linearly in r. One step = one forward and one backward through DP layers, the r
+projections of each example's gradient from each layer's A and G (float64 GEMMs, ``fastdp.algorithms.jl``), the
+re-weighted sum, noise, optimizer step; same model and batch for every provider, timed side by side
+(``harness.compare``). Results go to bench/results/<device>-jl.csv.
 
     python bench/bench_jl.py
     python bench/bench_jl.py --projections 1 5 10 30 --batch 256 --repeats 7

@@ -233,7 +233,7 @@ def _batchnorm_model(features=30, classes=2):
 UNSUPPORTED = {
     "dpsgd": (UnsupportedLayerError, r"1 \(BatchNorm1d\)"),
     "dpsgd-reference": (UnsupportedLayerError, r"batch statistics in training mode.*1 \(BatchNorm1d\)"),
-    "jl": (ValueError, r"batch statistics or dropout in training mode: 1 \(BatchNorm1d\)"),
+    "jl": (UnsupportedLayerError, r"1 \(BatchNorm1d\)"),
     "clipless": (ValueError, r"no Lipschitz bound rule.*: 0 \(Linear\), 1 \(BatchNorm1d\), 3 \(Linear\)"),
     "weightclip": (ValueError, r"no Lipschitz bound rule.*: 0 \(Linear\), 1 \(BatchNorm1d\), 3 \(Linear\)"),
     "backprop": (UnsupportedLayerError, r"Linear and Conv2d layers only; freeze or replace: 1 \(BatchNorm1d\)"),

@@ -107,7 +107,8 @@ EVAL_BATCH_STATISTICS = {
     "dpsgd-reference": (UnsupportedLayerError, r"DPSGD\(mode='reference'\) takes each example's gradient alone, but "
                                                r"these layers use batch statistics .*in eval mode without running "
                                                r"statistics.*: 1 \(BatchNorm1d\)"),
-    "jl": (ValueError, r"batch statistics in eval mode \(BatchNorm without running statistics\).*: 1 \(BatchNorm1d\)"),
+    "jl": (UnsupportedLayerError, r"these layers use batch statistics in training mode, or in eval mode without "
+                                  r"running statistics .*: 1 \(BatchNorm1d\)\. Use GroupNorm or LayerNorm"),
     "backprop": (UnsupportedLayerError, r"backprop clipping bounds each example's own input and upstream gradient, "
                                         r"but these layers use batch statistics .*in eval mode without running "
                                         r"statistics.*: 1 \(BatchNorm1d\)"),

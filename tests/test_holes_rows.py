@@ -43,7 +43,7 @@ def step(variant, model, x, y, index=0):
     variant.gradient(model, Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool)), index)
 
 
-@pytest.mark.parametrize("name", ["dpsgd", "backprop"])
+@pytest.mark.parametrize("name", ["dpsgd", "jl", "backprop"])
 def test_a_sequence_first_layer_with_as_many_positions_as_examples_is_refused(name):
     torch.manual_seed(3)
     x, y = torch.randn(4, 4, 8) * 3, torch.randint(0, 3, (4,))  # T == B == 4

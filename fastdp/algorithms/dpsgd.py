@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call, grad, vmap
@@ -183,6 +184,39 @@ def _ghost_clipped_gradient_sum(
         zeros = [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params]
         none = torch.zeros((), dtype=torch.int64, device=batch.x.device) if finite_only else None
         return zeros, torch.zeros((), device=batch.x.device), none
+    run = ghost_backward(model, loss_fn, batch, forward, loss_scale)
+    if not isinstance(clip_norm, (int, float)):
+        order = {id(m): i for i, m in enumerate(_check_per_layer(model, clip_norm))}
+        clip_norm = [clip_norm[order[id(layer)]] for layer in run.layers]
+    layer_sums, loss, dropped = _clip_and_sum(run.layers, run.saved, run.grads_out, run.losses, batch.mask,
+                                              clip_norm, scale, loss_scale, finite_only)  # fmt: skip
+    return run.by_parameter(layer_sums), loss, dropped
+
+
+@dataclass
+class GhostBackward:
+    """One forward and one backward through DP layers (:func:`ghost_backward`): per layer call, its layer, what it
+    saved (A) and its output gradient G; the masked per-example losses (detached)."""
+
+    params: list[torch.nn.Parameter]
+    layers: list[torch.nn.Module]
+    saved: list[tuple]
+    grads_out: list[torch.Tensor]
+    losses: torch.Tensor
+
+    def by_parameter(self, layer_sums: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Per-layer sums (one tensor per ``dp_parameters()`` of each layer) as one tensor per trainable parameter,
+        in ``params`` order and its ``sum_dtype``."""
+        sums = {id(p): total.to(sum_dtype(p)) for layer, totals in zip(self.layers, layer_sums, strict=True)
+                for p, total in zip(layer.dp_parameters(), totals, strict=True)}  # fmt: skip
+        return [sums[id(p)] for p in self.params]
+
+
+def ghost_backward(model, loss_fn, batch: Batch, forward=None, loss_scale: float = 1.0) -> GhostBackward:
+    """The forward of a non-empty ``batch`` in a GhostClipping context and one backward of ``loss_scale`` times the
+    summed loss: each DP layer's A and G, no weight gradient. Refuses layers called on a tensor that is not
+    batch-first and trainable parameters used outside a DP layer."""
+    params = trainable_parameters(model)
     losses, records = _ghost_forward(model, loss_fn, batch, forward)
     size = batch.x.shape[0]
     for r in records:
@@ -193,8 +227,7 @@ def _ghost_clipped_gradient_sum(
                 "(e.g. expand position indices to [B, T] before a positional Embedding)"
             )
     layers = [r.layer for r in records]
-    layer_params = [layer.dp_parameters() for layer in layers]
-    owned = {id(p) for ps in layer_params for p in ps}
+    owned = {id(p) for layer in layers for p in layer.dp_parameters()}
     missing = [p for p in params if id(p) not in owned]
     if missing:
         check_supported(model)  # names the modules if that is the cause
@@ -202,17 +235,10 @@ def _ghost_clipped_gradient_sum(
             f"{len(missing)} trainable parameters were not used through a fastdp DP layer in the forward; "
             "freeze them or use DPSGD(mode='reference')"
         )
-    if not isinstance(clip_norm, (int, float)):
-        order = {id(m): i for i, m in enumerate(_check_per_layer(model, clip_norm))}
-        clip_norm = [clip_norm[order[id(layer)]] for layer in layers]
     # the layers' hooks collect G (of loss_scale times the loss); parameters were detached, so no .grad is touched
     (losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum()).backward()
     grads_out = [r.grad if r.grad is not None else batch.x.new_zeros(r.shape, dtype=r.dtype) for r in records]
-    layer_sums, loss, dropped = _clip_and_sum(layers, [r.saved for r in records], grads_out, losses.detach(),
-                                              batch.mask, clip_norm, scale, loss_scale, finite_only)  # fmt: skip
-    sums = {id(p): total.to(sum_dtype(p)) for ps, totals in zip(layer_params, layer_sums, strict=True)
-            for p, total in zip(ps, totals, strict=True)}  # fmt: skip
-    return [sums[id(p)] for p in params], loss, dropped
+    return GhostBackward(params, layers, [r.saved for r in records], grads_out, losses.detach())
 
 
 def _ghost_forward(model, loss_fn, batch: Batch, forward) -> tuple[torch.Tensor, list]:

@@ -1,30 +1,49 @@
 """DP-SGD-JL (Bu et al. 2021, papers/03): per-example norms estimated from r Johnson-Lindenstrauss projections.
 
-One step, for the batch B (Poisson-sampled with rate q from N examples), with F(theta) = (loss_1, ..., loss_B):
+One step, for the batch B (Poisson-sampled with rate q from N examples), with g_i the gradient of example i's loss:
     v_1..v_r ~ N(0, I_d)                       fresh each step, shared by the batch, independent of the data
-    P_ij     = <grad loss_i, v_j>              r forward-mode jvp's of F (``torch.func.jvp``), no per-example grads
-    M_i      = sqrt((1/r) sum_j P_ij^2)         E[M_i^2] = ||grad loss_i||^2,  M_i / ||g_i|| ~ sqrt(chi2_r / r)
-    w_i      = min(1, C / (M_i + 1e-6))          constants (no gradient flows through them)
-    G        = grad of sum_i w_i loss_i  + N(0, (sigma C)^2 I)       one ordinary backward
+    P_ij     = <g_i, v_j>                      r projections per example, no per-example norm
+    M_i      = sqrt((1/r) sum_j P_ij^2)         E[M_i^2] = ||g_i||^2,  M_i / ||g_i|| ~ sqrt(chi2_r / r)
+    w_i      = min(1, C / (M_i + ...))          constants (see "Rounding" below for the ...)
+    G        = sum_i w_i g_i + N(0, (sigma C)^2 I)
     grad     = G / (q N)
 
-The tangents come from fastdp's counter-based noise stream (4-draw sums, like the noise) under a key of their own:
+How. One forward and one backward through fastdp's DP layers (``fastdp.nn``, as DP-SGD's ghost mode: plain torch
+layers are converted): each layer keeps its input A and output gradient G, and gives each example's projections
+``P_ij = <a_i^T g_i, v_j>`` (``DPLayer.per_example_projections``: the layer's per-example gradient formed in float64
+for a chunk of examples at a time and projected, never kept; an Embedding gathers the tangents' rows by token
+instead); the re-weighted sum is then each layer's clipped sum of the same A and G with factors w_i (one GEMM). The
+paper computes P with r forward-mode jvp's and the sum with a second, re-weighted backward; fastdp departs from it
+because there the estimate and the sum are two computations with different rounding (next paragraph).
+
+Rounding (privacy review, issue 14). The accountant (``fastdp.privacy.jl``) needs each example's contribution to be
+at most ``C Z`` with ``Z = ||g|| / M(g)``, M the projection estimate *of the very vector summed*. When the jvp's and
+the backward's roundings differ, an example whose positions cancel at large magnitude (its true gradient tiny against
+``u sum_t |a_t| |g_t|``) had an estimate of one rounding and a contribution of another: 1.44 x the bound at 1e7 in
+fp32. Now both come from the same A and G, and what rounding remains is bounded per example: ``err_i`` bounds the
+float64 projections' error, and ``E_i`` (the layers' ``allowance``) how far the fp32 clipped sum moves from
+``w_i g_i`` per unit weight. With ``w_i = min(1, C / ((M_i + err_i + K E_i + 1e-6) (1 + 4u)))`` and
+``K = 1 / z_floor`` (``fastdp.privacy.jl.jl_z_floor``: the smallest Z the accountant credits, 0.46 for r = 10), the
+contribution ``w_i (g_i + e_i)``, ``|e_i| <= E_i``, has norm at most ``C (Z M + E) / (M + K E) <= C max(Z, z_floor)``,
+which the accountant accounts. For an ordinary example ``E_i`` is about ``T^1.5 u`` of its norm (3e-5 at T = 64).
+
+Tangents come from fastdp's counter-based noise stream (4-draw sums, like the noise) under a key of their own:
 by default one OS-entropy key per step, drawn the first time the step is seen and kept until its release, so every
 micro-batch of a logical step (and, data-parallel, every rank) projects on the same r tangents, as the analysis
 assumes (one set per step); with a reproducible seed (NOT FOR RELEASE) the noise seed mixed with a constant, counter
-``step * r + j`` (``fastdp.privacy.rng.PrivacyKeys.tangent_key``). They are generated on the device, one at a
-time, never stored r x d, and never reused across steps.
+``step * r + j`` (``fastdp.privacy.rng.PrivacyKeys.tangent_key``). ``chunk`` tangents are drawn at a time, never
+stored r x d, never reused across steps.
 
 Privacy. w_i g_i can exceed C when M_i under-estimates ||g_i||, so a step is not a Gaussian mechanism with
 sensitivity C: it is dominated by a Gaussian mechanism whose sensitivity Z_r = (chi2_r / r)^(-1/2) is random and
 revealed (papers/03 Thm B.7). The accountant is the PLD of that mixture (``fastdp.privacy.jl``); RDP cannot account
 it (its privacy loss has moments only below r/2) and is refused. DP-Adam-JL is this gradient fed to Adam (the
-trainer's ``--optimizer adam``; torch's Adam, whose second-moment bias correction uses beta2 — the paper's
+trainer's ``--optimizer adam``; torch's Adam, whose second-moment bias correction uses beta2 -- the paper's
 Algorithm 2 misprints beta1 there).
 
-Layers that mix examples (batch statistics in training mode) or draw randomness in the forward pass (dropout in
-training mode) are refused: the jvp forwards and the backward would see different functions, and the estimates
-would then be of some other gradient's norm.
+Models: those of DP-SGD's ghost mode (every trainable parameter in a DP layer; layers that mix examples refused,
+``fastdp.nn.check_supported``; a layer's rows must be examples, ``fastdp.nn.rows``). Dropout is allowed: the
+projections and the sum read the same forward.
 """
 
 from __future__ import annotations
@@ -33,7 +52,6 @@ import math
 
 import torch
 from torch import nn
-from torch.func import functional_call, jvp, vmap
 
 from fastdp.algorithms.base import (
     SUMMED_IN_LOW_PRECISION,
@@ -45,27 +63,13 @@ from fastdp.algorithms.base import (
     sum_dtype,
     trainable_parameters,
 )
-from fastdp.nn import mixes_examples
-from fastdp.ops import add_noise_
+from fastdp.algorithms.dpsgd import GhostBackward, dp_layers, ghost_backward
+from fastdp.nn import check_supported, convert
+from fastdp.ops import add_noise_, rounding_gamma
+from fastdp.privacy.jl import jl_z_floor
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 
 NORM_EPS = 1e-6  # in the clip factor's denominator, as in DP-SGD
-_STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-def check_deterministic_per_example(model: nn.Module) -> None:
-    """Refuse modules that make the per-example loss depend on other examples (``fastdp.nn.mixes_examples``, in
-    either mode) or on fresh randomness (dropout in training mode)."""
-    bad = [f"{n or '<model>'} ({type(m).__name__})" for n, m in model.named_modules()
-           if mixes_examples(m) or (m.training and isinstance(m, _STOCHASTIC))]  # fmt: skip
-    if bad:
-        raise ValueError(
-            "DP-SGD-JL needs each example's loss to be a fixed function of the parameters during a step, but these "
-            "layers use batch statistics in eval mode (BatchNorm without running statistics), or batch statistics "
-            "or dropout in training mode: " + ", ".join(bad) + ". Use GroupNorm or LayerNorm instead of batch "
-            "statistics (or eval mode with running statistics, track_running_stats=True), and drop dropout (or put "
-            "it in eval mode)."
-        )
 
 
 def draw_tangents(
@@ -88,40 +92,33 @@ _draw_tangents_eagerly = draw_eagerly(draw_tangents)
 
 
 def jl_projections(
-    model: nn.Module,
-    loss_fn,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    projections: int,
-    keys: PrivacyKeys,
-    step: int,
-    chunk: int = 8,
-    forward=None,
-) -> torch.Tensor:
-    """P [B, r] with P_ij = <grad of example i's loss, v_j>, from forward-mode jvp's of the per-example loss vector.
-
-    ``chunk`` tangents at a time go through one vmapped jvp (the primal forward is shared by the chunk).
-    ``forward(fn, x)`` runs the model's forward ``fn`` (default ``fn(x)``; the variant passes its ``_forward``)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    fixed = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
-    fixed.update(dict(model.named_buffers()))
-
-    def losses(trainable: dict) -> torch.Tensor:
-        def run(inputs: torch.Tensor) -> torch.Tensor:
-            return functional_call(model, {**trainable, **fixed}, (inputs,))
-
-        return loss_fn(run(x) if forward is None else forward(run, x), y)
-
-    def project(*tangent: torch.Tensor) -> torch.Tensor:
-        return jvp(losses, (params,), (dict(zip(names, tangent, strict=True)),))[1]
-
-    columns = []
+    run: GhostBackward, keys: PrivacyKeys, step: int, projections: int, chunk: int = 8, caches: list | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(P [B, r], err [B], allowance [B])``, float64, summed over the DP layers of ``run``: the projections of each
+    example's gradient onto the step's r tangents (``chunk`` drawn at a time), the bound on their rounding (for every
+    j) and the bound on the clipped sum's rounding per unit weight (``DPLayer.per_example_projections``).
+    ``caches``: one dict per layer call, filled for the layers' clipped sums."""
+    b = run.grads_out[0].shape[0] if run.grads_out else 0
+    device = run.losses.device
+    p = torch.empty(b, projections, dtype=torch.float64, device=device)
+    err = torch.zeros(b, dtype=torch.float64, device=device)
+    allowance = torch.zeros_like(err)
+    caches = caches if caches is not None else [None] * len(run.layers)
     for first in range(0, projections, chunk):
         count = min(chunk, projections - first)
-        tangents = draw_tangents([params[n] for n in names], keys, step, projections, first, count)
-        columns.append(vmap(project)(*tangents).t())  # [B, count]
-    return torch.cat(columns, dim=1).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        tangents = draw_tangents(run.params, keys, step, projections, first, count)
+        of = {id(q): t for q, t in zip(run.params, tangents, strict=True)}
+        p[:, first : first + count] = 0
+        chunk_err = torch.zeros_like(err)
+        for layer, saved, grad_out, cache in zip(run.layers, run.saved, run.grads_out, caches, strict=True):
+            proj, e, a = layer.per_example_projections(saved, grad_out, [of[id(q)] for q in layer.dp_parameters()],
+                                                       cache)  # fmt: skip
+            p[:, first : first + count] += proj
+            chunk_err += e
+            if first == 0:
+                allowance += a
+        err = torch.maximum(err, chunk_err)
+    return p, err, allowance
 
 
 def norm_estimates(p: torch.Tensor) -> torch.Tensor:
@@ -129,19 +126,22 @@ def norm_estimates(p: torch.Tensor) -> torch.Tensor:
     return p.pow(2).mean(dim=1).sqrt()
 
 
-def reweighted_gradient_sum(
-    model: nn.Module, loss_fn, batch: Batch, weights: torch.Tensor, forward=None
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(gradient of sum_i w_i loss_i per trainable parameter, in ``sum_dtype``; the summed loss of the real rows).
+def jl_weights(
+    p: torch.Tensor, err: torch.Tensor, allowance: torch.Tensor, clip_norm: float, z_floor: float, acc: torch.dtype
+) -> torch.Tensor:
+    """``w_i = min(1, C / ((M_i + err_i + allowance_i / z_floor + 1e-6) (1 + 4u)))`` (module docstring, "Rounding"):
+    the factor whose contribution ``w_i (g_i + e_i)`` stays within ``C max(Z, z_floor)``. M is rounded up (its own
+    float64 rounding); ``(1 + 4u)`` covers rounding w to ``acc`` (u its unit roundoff)."""
+    m = norm_estimates(p) * (1 + rounding_gamma(p.shape[1] + 4, torch.float64))
+    denominator = (m + err + allowance / z_floor + NORM_EPS) * (1 + 4 * torch.finfo(acc).eps / 2)
+    return (clip_norm / denominator).clamp(max=1.0)
 
-    One forward (``forward(model, x)``, default ``model(x)``) and one ordinary backward; ``weights`` [B] are
-    constants (detached) and should be 0 on padding."""
-    params = trainable_parameters(model)
-    losses = loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y)
-    grads = torch.autograd.grad((losses * weights.detach().to(losses.dtype)).sum(), params, allow_unused=True)
-    sums = [torch.zeros_like(p, dtype=sum_dtype(p)) if g is None else g.to(sum_dtype(p))
-            for p, g in zip(params, grads, strict=True)]  # fmt: skip
-    return sums, (losses.detach() * batch.mask).sum()
+
+def _clipped_sum(run: GhostBackward, weights: torch.Tensor, caches: list) -> list[torch.Tensor]:
+    sums = []
+    for layer, saved, grad_out, cache in zip(run.layers, run.saved, run.grads_out, caches, strict=True):
+        sums.append(layer.clipped_grad_sums(saved, grad_out, weights.to(sum_dtype(grad_out)), cache))
+    return run.by_parameter(sums)
 
 
 class JL(Variant):
@@ -151,9 +151,8 @@ class JL(Variant):
     private = True
     draws_tangents = True  # data-parallel OS-entropy runs share each step's tangent key (fastdp.train.distributed)
     low_precision_refusal = (
-        "its accountant assumes each per-example norm estimate is exactly sqrt(chi2_r / r) times the exact norm "
-        "(Gaussian projections of the exact gradient), which low-precision jvp's do not give, and the reweighted "
-        "gradient is not clipped per example afterwards; " + SUMMED_IN_LOW_PRECISION
+        "its rounding bounds (fastdp.algorithms.jl, 'Rounding') are made for fp32 and float64 layer inputs and "
+        "sums; " + SUMMED_IN_LOW_PRECISION
     )
 
     def __init__(
@@ -179,7 +178,7 @@ class JL(Variant):
                 f"JL projections r must be an integer >= 1, got {projections!r} (exact norms: use the dpsgd variant)"
             )
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk (tangents per vmapped jvp) must be an integer >= 1, got {chunk!r}")
+            raise ValueError(f"chunk (tangents drawn and projected at a time) must be an integer >= 1, got {chunk!r}")
         self.clip_norm = float(clip_norm)
         self.noise_multiplier = float(noise_multiplier)
         self.sample_rate = float(sample_rate)
@@ -187,6 +186,9 @@ class JL(Variant):
         self.projections = projections
         self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
         self.chunk = chunk
+        # the smallest Z the accountant credits (sigma = 0, noiseless: the bins' quantile without a tail cut)
+        self.z_floor = jl_z_floor(projections, self.noise_multiplier if self.noise_multiplier > 0 else math.inf)
+        self._prepared: set[int] = set()
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> JL:
@@ -197,20 +199,33 @@ class JL(Variant):
     def accounting_projections(cls, config) -> float:
         return config.projections
 
-    def clip_weights(self, model: nn.Module, batch: Batch, step: int) -> torch.Tensor:
-        """w_i = min(1, C / (M_i + 1e-6)) on real rows, 0 on padding."""
-        check_deterministic_per_example(model)
-        p = jl_projections(model, self.loss_fn, batch.x, batch.y, self.projections, self.keys, step, self.chunk,
-                           self._forward)  # fmt: skip
-        weights = (self.clip_norm / (norm_estimates(p) + NORM_EPS)).clamp(max=1.0)
+    def prepare(self, model: nn.Module) -> None:
+        """Convert torch layers to DP layers once per model (in place; parameters are kept), as DP-SGD's ghost mode."""
+        if id(model) not in self._prepared:
+            convert(model)
+            self._prepared.add(id(model))
+
+    def row_layers(self, model: nn.Module) -> list[nn.Module]:
+        """Every DP layer's input rows are projected and summed per example."""
+        return dp_layers(model)
+
+    def clip_weights(self, run: GhostBackward, batch: Batch, step: int, caches: list) -> torch.Tensor:
+        """w_i (:func:`jl_weights`) on real rows, 0 on padding."""
+        p, err, allowance = jl_projections(run, self.keys, step, self.projections, self.chunk, caches)
+        acc = sum_dtype(run.grads_out[0]) if run.grads_out else torch.float32
+        weights = jl_weights(p, err, allowance, self.clip_norm, self.z_floor, acc)
         return weights * batch.mask.to(weights.dtype)
 
     def clipped_sum(self, model: nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        self.prepare(model)
+        check_supported(model)  # every step: train/eval mode and tied weights can change after convert()
         if batch.x.shape[0] == 0:
             params = trainable_parameters(model)
             return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
-        return reweighted_gradient_sum(model, self.loss_fn, batch, self.clip_weights(model, batch, step),
-                                       self._forward)  # fmt: skip
+        run = ghost_backward(model, self.loss_fn, batch, self._forward)
+        caches = [{} for _ in run.layers]
+        weights = self.clip_weights(run, batch, step, caches)
+        return _clipped_sum(run, weights, caches), run.losses.sum()
 
     def release(self, model: nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)

@@ -171,7 +171,7 @@ def render(results: list[CaseResult], settings: Settings, seconds: float, comman
         f"## Sensitivity audit (float64, {s.search} searched candidates)",
         "",
         "Max over adjacent pairs and sensitivity groups of ||change of the noiseless update|| b / Delta_g (must be "
-        "<= 1; DP-SGD-JL: against its per-step bound C max(1, ||g|| / M), with its largest change / C and the KS "
+        "<= 1; DP-SGD-JL: against its per-step bound C max(||g|| / M, z_floor), with its largest change / C and the KS "
         f"p-value of r (M / ||g||)^2 against chi2_r over {s.jl_steps} steps beside it).",
         "",
         "| variant | max ratio | worst pair | pairs | JL: max change / C, KS p (chi2_r) | result |",

@@ -17,9 +17,10 @@ a batch of examples along one fixed direction (aligned gradients) plus one more;
 DP-SGD-JL claims no fixed bound: its clip factors come from r random projections, so one example can move the
 update by C ||g|| / M, M = sqrt(mean_j <g, v_j>^2) its norm estimate, and the accountant (papers/03 Thm B.7)
 assumes M / ||g|| ~ sqrt(chi2_r / r) for tangents v_j ~ N(0, I) drawn independently of the data. The audit
-checks both: the change against C max(1, ||g|| / M), with g the example's exact gradient (``torch.func``) and M
-recomputed from the step's tangents; and, over ``jl_steps`` steps, r (M / ||g||)^2 of a huge canary (always
-clipped) against chi2_r with a Kolmogorov–Smirnov test at level ``alpha``.
+checks both: the change against C max(||g|| / M, z_floor) (z_floor: the smallest factor the accountant credits),
+with g the example's exact gradient (``torch.func``) and M recomputed from the step's tangents, or the change's
+own estimate M(change) against C (``_Auditor.jl_ratio``); and, over ``jl_steps`` steps, r (M / ||g||)^2 of a huge
+canary (always clipped) against chi2_r with a Kolmogorov–Smirnov test at level ``alpha``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ SEARCH_NORMS = (1.0, 30.0, 1e3, 1e6)
 class Observation:
     """One adjacent pair: ``change`` = ||u(D') - u(D)|| b over all tensors (on the sum; a non-private variant: the
     change of its mean), ``ratios`` per group (change of the group / Delta_g; empty without a claim), ``jl_ratio``
-    (JL: change / (C max(1, ||g|| / M)))."""
+    (JL: ``_Auditor.jl_ratio``, the change against C max(Z, z_floor))."""
 
     scenario: str
     change: float
@@ -160,14 +161,23 @@ class _Auditor:
             return Observation(scenario, change)
         ratios = tuple(math.sqrt(sum(float(diff[i].pow(2).sum()) for i in group)) * b / delta
                        for group, delta in zip(self.claim.groups, self.claim.sensitivities, strict=True))  # fmt: skip
-        jl_ratio = None if self.jl is None else change / self.jl_bound(example, self.step)
+        jl_ratio = None if self.jl is None else self.jl_ratio(example, [d * b for d in diff], self.step)
         return Observation(scenario, change, ratios, jl_ratio)
 
-    def jl_bound(self, example: Batch, step: int) -> float:
-        """C max(1, ||g|| / M) for ``example`` at ``step``: g from torch.func, M from the step's tangents."""
+    def jl_ratio(self, example: Batch, change: list[torch.Tensor], step: int) -> float:
+        """``change`` (the release's leave-one-out change, times b) against DP-SGD-JL's accounted bound
+        ``C max(Z, z_floor)`` at ``step`` (``fastdp.algorithms.jl``, "Rounding"): the smallest of three ratios, each
+        <= 1 when the bound holds for the vector actually summed -- the change against ``C max(Z(g), z_floor)``
+        for torch.func's gradient g of the example; the change's own JL estimate ``M(change)`` against C (a change
+        ``w g'`` has ``||change|| <= C Z(g')`` exactly when ``M(change) <= C``); the change against ``C z_floor``.
+        The first alone misjudges an example whose computed gradient is mostly rounding (torch.func's g is then
+        another vector than the one summed)."""
+        c, z_floor = self.jl.clip_norm, self.jl.z_floor
+        size = math.sqrt(sum(float(t.double().pow(2).sum()) for t in change))
         g, norm = self.exact_gradient(example)
         m = self.norm_estimate(g, step)
-        return self.jl.clip_norm * max(1.0, norm / m) if m > 0 else math.inf
+        reference = c * max(norm / m, z_floor) if m > 0 else math.inf
+        return min(size / reference, self.norm_estimate(change, step) / c, size / (c * z_floor))
 
     def exact_gradient(self, example: Batch) -> tuple[list[torch.Tensor], float]:
         model = self.case.model
@@ -179,7 +189,7 @@ class _Auditor:
         params = trainable_parameters(self.case.model)
         r = self.jl.projections
         tangents = draw_tangents(params, self.jl.keys, step, r, 0, r)
-        dots = sum((v.double().reshape(r, -1) @ t.reshape(-1)) for v, t in zip(tangents, g, strict=True))
+        dots = sum((v.double().reshape(r, -1) @ t.double().reshape(-1)) for v, t in zip(tangents, g, strict=True))
         return float(dots.pow(2).mean().sqrt())
 
 

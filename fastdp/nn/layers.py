@@ -6,7 +6,10 @@ Each class subclasses its torch counterpart with no extra state, so outside a DP
 ``state_dict`` is unchanged, and :func:`fastdp.nn.convert` turns a torch module into one in place. Per layer:
 
 * ``per_example_sq_norms(saved, G, cache)`` -> [B]: sum over the layer's trainable parameters of ||grad_i||^2;
-* ``clipped_grad_sums(saved, G, c, cache)`` -> one tensor per trainable parameter: sum_i c_i grad_i.
+* ``clipped_grad_sums(saved, G, c, cache)`` -> one tensor per trainable parameter: sum_i c_i grad_i;
+* ``per_example_projections(saved, G, tangents, cache)`` -> (P [B, r], err [B], allowance [B]): DP-SGD-JL's
+  projections of each example's gradient onto r tangents, with rigorous bounds on their rounding and on that of
+  the clipped sum (float64; per-example gradients formed in float64 a chunk of examples at a time).
 
 Where a per-example weight gradient is cheaper than the ghost norm it is formed once, kept in ``cache``
 (a dict per layer call, or None), and its clipped sum is then a weighted sum instead of a second GEMM.
@@ -24,7 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.nn.ghost import active_context
-from fastdp.ops import certified_ghost_norm_sq, certified_token_match_norm_sq
+from fastdp.ops import certified_ghost_norm_sq, certified_projections, certified_token_match_norm_sq, rounding_gamma
+
+PROJECTION_CHUNK_ELEMENTS = 1 << 24  # float64 entries a JL projection forms at a time (128 MiB)
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -64,8 +69,45 @@ def _clip_sq(bound_sq: torch.Tensor, mass: torch.Tensor, positions: int, acc: to
     sums (relative u of the batch's sum, as in any fp32 training) is not attributable to one example and not
     included. For ordinary examples (mass ~ sqrt(T) norm) the allowance is ~T^1.5 u: 3e-5 of the norm at T = 64."""
     u = torch.finfo(acc).eps / 2
-    norm = bound_sq.sqrt() + (positions * u) * mass
+    norm = bound_sq.sqrt() + _summation_allowance(mass, positions, acc)
     return (norm * norm * (1 + 4 * u)).to(acc)  # 4u up, then one rounding to nearest: never below
+
+
+def _summation_allowance(mass: torch.Tensor, positions: int, acc: torch.dtype) -> torch.Tensor:
+    """``positions u mass`` (u: ``acc``'s unit roundoff): how far summing an example's ``positions`` terms, of total
+    size ``mass`` (float64), into a sum in ``acc`` can move the sum beyond its exact contribution (:func:`_clip_sq`)."""
+    return (positions * torch.finfo(acc).eps / 2) * mass
+
+
+def _mass(a: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    """``sum_t |a_t| |g_t|`` per example (``|a_t| = 1`` when ``a`` is None, a bias), float64 [B, T, *] inputs, rounded
+    up: it bounds the Frobenius norm of the absolute terms of the example's gradient ``sum_t a_t g_t^T``."""
+    rows = torch.linalg.vector_norm(g, dim=2)
+    if a is not None:
+        rows = rows * torch.linalg.vector_norm(a, dim=2)
+    terms = g.shape[2] + (0 if a is None else a.shape[2]) + g.shape[1] + 4
+    return rows.sum(1) * (1 + rounding_gamma(terms, torch.float64))
+
+
+def _projections(pieces_of, saved: tuple, grad_out: torch.Tensor, tangents: list[torch.Tensor], rows: int):
+    """(P, err, allowance) of :meth:`DPLayer.per_example_projections` from ``pieces_of(saved, G)`` -> one
+    ``(per-example gradient [b, ...] float64, mass [b], positions)`` per trainable parameter (see
+    ``fastdp.ops.certified_projections``), evaluated on ``rows`` examples at a time."""
+    b, r = grad_out.shape[0], tangents[0].shape[0]
+    acc = _acc(grad_out)
+    flat = [t.reshape(r, -1) for t in tangents]
+    p = torch.zeros(b, r, dtype=torch.float64, device=grad_out.device)
+    err = torch.zeros(b, dtype=torch.float64, device=grad_out.device)
+    allowance = torch.zeros_like(err)
+    for start in range(0, b, rows):
+        part = slice(start, start + rows)
+        pieces = pieces_of(tuple(t[part] for t in saved), grad_out[part])
+        for (per_example, mass, positions), v in zip(pieces, flat, strict=True):
+            proj, e = certified_projections(per_example.reshape(per_example.shape[0], -1), v, mass, positions)
+            p[part] += proj
+            err[part] += e
+            allowance[part] += _summation_allowance(mass, positions + 2, acc)  # + scaling by c_i, + the final add
+    return p, err, allowance
 
 
 def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) -> torch.Tensor:
@@ -118,6 +160,23 @@ class DPLayer:
         p = getattr(self, name)
         return None if p is None else p.detach()
 
+    def per_example_projections(
+        self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DP-SGD-JL: ``(P [B, r], err [B], allowance [B])``, float64. ``P_ij = <grad_i, v_j>`` over the layer's
+        trainable parameters (``tangents``: one [r, *p.shape] per ``dp_parameters()``), for ``grad_i`` the exact
+        per-example gradient of the saved A and G; ``|P_ij - computed| <= err_i`` for every j; and
+        ``allowance_i`` bounds how far the layer's clipped sum (``clipped_grad_sums`` with this ``cache``) moves
+        from ``c_i grad_i`` per unit factor c_i, beyond its exact value. Per-example gradients are formed in float64
+        for a chunk of examples at a time (:data:`PROJECTION_CHUNK_ELEMENTS`), never kept."""
+        numel = sum(t[0].numel() for t in tangents)
+        return _projections(self._per_example64, saved, grad_out, tangents,
+                            max(1, PROJECTION_CHUNK_ELEMENTS // max(1, numel)))  # fmt: skip
+
+    def _per_example64(self, saved, grad_out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """One ``(per-example gradient [B, *p.shape] float64, mass [B], positions)`` per trainable parameter."""
+        raise NotImplementedError
+
 
 class Linear(nn.Linear, DPLayer):
     """``torch.nn.Linear``; inputs [B, d] or [B, ..., d] (sequence positions flattened into T)."""
@@ -150,6 +209,51 @@ class Linear(nn.Linear, DPLayer):
         elif self.weight.requires_grad:
             total += _sequence_weight_sq(a3, g3, cache)
         return total
+
+    def per_example_projections(
+        self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One position per example (T = 1): ``P_ij = g_i^T V_j a_i`` as one GEMM ``G [B, p] @ V [p, r d]`` per chunk
+        of examples, no [p, d] per-example gradient (forming those moves B p d floats: 10x slower for an MLP);
+        ``err = gamma_{p + d + 2} max_j ||V_j|| |a_i| |g_i|``. Sequences: the per-example gradients (``DPLayer``)."""
+        (a,) = saved
+        if math.prod(a.shape[1:-1]) != 1 or not self.weight.requires_grad:
+            return super().per_example_projections(saved, grad_out, tangents, cache)
+        b, d, p = a.shape[0], a.shape[-1], grad_out.shape[-1]
+        a2, g2 = a.reshape(b, d).to(torch.float64), grad_out.reshape(b, p).to(torch.float64)
+        v = tangents[0].to(torch.float64)
+        r = v.shape[0]
+        flat = v.permute(1, 0, 2).reshape(p, r * d)
+        proj = torch.empty(b, r, dtype=torch.float64, device=a.device)
+        rows = max(1, PROJECTION_CHUNK_ELEMENTS // (r * d))
+        for start in range(0, b, rows):
+            part = slice(start, start + rows)
+            proj[part] = (g2[part] @ flat).reshape(-1, r, d).mul_(a2[part].unsqueeze(1)).sum(2)
+        mass = _mass(a2.unsqueeze(1), g2.unsqueeze(1))
+        v_norm = float(torch.linalg.vector_norm(v.reshape(r, -1), dim=1).max()) * (
+            1 + rounding_gamma(p * d + 2, torch.float64)
+        )
+        err = rounding_gamma(p + d + 2, torch.float64) * v_norm * mass
+        allowance = _summation_allowance(mass, 3, _acc(grad_out))
+        if self.bias is not None and self.bias.requires_grad:
+            bias_mass = _mass(None, g2.unsqueeze(1))
+            bias, bias_err = certified_projections(g2, tangents[1].reshape(r, -1), bias_mass, 1)
+            proj, err, allowance = (
+                proj + bias,
+                err + bias_err,
+                allowance + _summation_allowance(bias_mass, 3, _acc(grad_out)),
+            )
+        return proj, err, allowance
+
+    def _per_example64(self, saved, grad_out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        (a,) = saved
+        a3, g3 = self._flat(a.to(torch.float64), grad_out.to(torch.float64))
+        pieces = []
+        if self.weight.requires_grad:
+            pieces.append((torch.einsum("btp,btd->bpd", g3, a3), _mass(a3, g3), a3.shape[1]))
+        if self.bias is not None and self.bias.requires_grad:
+            pieces.append((g3.sum(1), _mass(None, g3), g3.shape[1]))
+        return pieces
 
     def clipped_grad_sums(
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
@@ -266,6 +370,19 @@ class _ConvNd(DPLayer):
             total += _rowsq(bias)
         return total
 
+    def _per_example64(self, saved, grad_out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        (x,) = saved
+        x, g = x.to(torch.float64), grad_out.to(torch.float64)
+        b, positions = x.shape[0], math.prod(g.shape[2:])
+        pieces = []
+        if self.weight.requires_grad:
+            a, grouped = self._grouped(x, g)
+            mass = _mass(a, grouped).reshape(b, self.groups).sum(1) * (1 + rounding_gamma(self.groups, torch.float64))
+            pieces.append((self._per_example_weight(x, g), mass, positions))
+        if self.bias is not None and self.bias.requires_grad:
+            pieces.append((g.flatten(2).sum(2), _mass(None, g.flatten(2).transpose(1, 2)), positions))
+        return pieces
+
     def clipped_grad_sums(
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
     ) -> list[torch.Tensor]:
@@ -338,6 +455,31 @@ class Embedding(nn.Embedding, DPLayer):
             return _rowsq(per_example)
         return _clip_sq(*certified_token_match_norm_sq(idx, g), t, _acc(grad_out))  # float64, rounding bounded
 
+    def per_example_projections(
+        self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``P_ij = sum_t <g_t, v_j[idx_t]>``: the tangents' rows gathered by token, no [V, dim] per-example
+        gradient; ``err = gamma_{T + dim + 2} max_j ||v_j|| sum_t |g_t|`` (see ``DPLayer``)."""
+        (idx,) = saved
+        idx, g = self._tokens(idx, grad_out)
+        b, t, dim = g.shape
+        g = g.to(torch.float64)
+        (v,) = (tangent.to(torch.float64) for tangent in tangents)
+        r = v.shape[0]
+        p = torch.empty(b, r, dtype=torch.float64, device=g.device)
+        rows = max(1, PROJECTION_CHUNK_ELEMENTS // max(1, r * t * dim))
+        for start in range(0, b, rows):
+            part = slice(start, start + rows)
+            gathered = v[:, idx[part].reshape(-1)]  # [r, rows * T, dim]
+            products = (gathered * g[part].reshape(1, -1, dim)).sum(2)
+            p[part] = products.reshape(r, -1, t).sum(2).t()
+        mass = _mass(None, g)
+        v_norm = float(torch.linalg.vector_norm(v.reshape(r, -1), dim=1).max()) * (
+            1 + rounding_gamma(v[0].numel() + 2, torch.float64)
+        )
+        err = rounding_gamma(t + dim + 2, torch.float64) * v_norm * mass
+        return p, err, _summation_allowance(mass, t + 2, _acc(grad_out))
+
     def clipped_grad_sums(
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
     ) -> list[torch.Tensor]:
@@ -387,6 +529,21 @@ class _AffineNorm(DPLayer):
             cache["affine"] = grads
         return sum((_rowsq(g) for g in grads), torch.zeros(grad_out.shape[0], dtype=_acc(grad_out),
                                                              device=grad_out.device))  # fmt: skip
+
+    def per_example_projections(
+        self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The per-example affine gradients (small) are the very tensors summed: kept in ``cache`` and projected as
+        they are (positions 0, see ``DPLayer``)."""
+        grads = self._per_example(saved, grad_out)
+        if cache is not None:
+            cache["affine"] = grads
+
+        def pieces(_saved, _grad_out):
+            return [(t.to(torch.float64), _mass(None, t.reshape(t.shape[0], 1, -1).to(torch.float64)), 0)
+                    for t in grads]  # fmt: skip
+
+        return _projections(pieces, saved, grad_out, tangents, max(1, grad_out.shape[0]))
 
     def clipped_grad_sums(
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None

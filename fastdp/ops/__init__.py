@@ -2,7 +2,14 @@
 
 from fastdp.ops.clip import clip_gradient, clip_rows
 from fastdp.ops.noise import add_noise_, noisy_sgd_step_
-from fastdp.ops.norms import certified_ghost_norm_sq, certified_token_match_norm_sq, clip_factors, ghost_norm_sq
+from fastdp.ops.norms import (
+    certified_ghost_norm_sq,
+    certified_projections,
+    certified_token_match_norm_sq,
+    clip_factors,
+    ghost_norm_sq,
+    rounding_gamma,
+)
 from fastdp.ops.orthogonal import (
     bjorck_orthonormalize,
     conv_lip_factor,
@@ -20,6 +27,7 @@ __all__ = [
     "add_noise_",
     "bjorck_orthonormalize",
     "certified_ghost_norm_sq",
+    "certified_projections",
     "certified_token_match_norm_sq",
     "certified_spectral_norm",
     "certified_spectral_norms",
@@ -31,6 +39,7 @@ __all__ = [
     "ghost_norm_sq",
     "noisy_sgd_step_",
     "power_iteration",
+    "rounding_gamma",
     "rko_orthonormalize",
     "spectral_normalize_and_orthonormalize",
 ]

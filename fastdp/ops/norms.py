@@ -26,7 +26,14 @@ import torch
 from fastdp import _backend, _ext
 from fastdp.ref import norms as ref
 
-__all__ = ["certified_ghost_norm_sq", "certified_token_match_norm_sq", "clip_factors", "ghost_norm_sq"]
+__all__ = [
+    "certified_ghost_norm_sq",
+    "certified_projections",
+    "certified_token_match_norm_sq",
+    "clip_factors",
+    "ghost_norm_sq",
+    "rounding_gamma",
+]
 
 _GHOST_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -176,6 +183,18 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     _check_ghost(a, g)
     with torch.no_grad():
         return ref.certified_ghost_norm_sq(a.detach(), g.detach())
+
+
+def certified_projections(
+    per_example: torch.Tensor, tangents: torch.Tensor, mass: torch.Tensor, positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projections of per-example gradients onto JL tangents with a rigorous bound on their rounding: see
+    ``fastdp.ref.norms.certified_projections`` (the torch reference on every device); detached."""
+    with torch.no_grad():
+        return ref.certified_projections(per_example.detach(), tangents.detach(), mass.detach(), positions)
+
+
+rounding_gamma = ref.rounding_gamma
 
 
 def certified_token_match_norm_sq(idx: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

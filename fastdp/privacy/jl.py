@@ -89,6 +89,7 @@ __all__ = [
     "jl_epsilon_of_runs",
     "jl_privacy_loss_distribution",
     "jl_tail_mass",
+    "jl_z_floor",
 ]
 
 JL_MAX_MU = 30.0  # largest mu = Z / sigma given a Gaussian component; larger Z goes to the infinity mass
@@ -203,6 +204,27 @@ def jl_tail_mass(noise_multiplier: float, projections: float) -> float:
     return float(stats.chi2.cdf(r / (JL_MAX_MU * sigma) ** 2, r))
 
 
+def jl_z_floor(projections: float, noise_multiplier: float) -> float:
+    """The smallest sensitivity factor the JL accountant credits a step with: the lowest edge of its bins, Z's 1e-6
+    quantile ``sqrt(r / chi2_r^-1(1 - 1e-6))`` (or the tail cut when that is lower). Every Z is accounted as at least
+    this (smaller Z are rounded up into the lowest bin), so a step whose example moves the sum by at most
+    ``C max(Z, jl_z_floor(r, sigma))`` is accounted; DP-SGD-JL uses it to absorb its rounding
+    (``fastdp.algorithms.jl.jl_weights``). 1 for exact norms (r = inf)."""
+    r, sigma = _check_projections(projections), _check_sigma(noise_multiplier)
+    if math.isinf(r):
+        return 1.0
+    return _z_range(sigma, r)[0]
+
+
+def _z_range(sigma: float, r: float) -> tuple[float, float]:
+    """(z_low, z_cut): the bins' lowest edge and the tail cut (finite r)."""
+    from scipy import stats
+
+    chi2 = stats.chi2(r)
+    z_cut = min(JL_MAX_MU * sigma, math.sqrt(r / chi2.ppf(_Z_NEGLIGIBLE)))
+    return min(math.sqrt(r / chi2.isf(_Z_LOW_QUANTILE)), z_cut), z_cut
+
+
 def _sensitivity_bins(sigma: float, r: float, bins: int) -> tuple[np.ndarray, np.ndarray, float]:
     """Bin representatives z_k (each the largest Z of its bin), their probabilities w_k, and the tail mass
     ``P(Z > z_k.max())`` that the accountant treats as an infinite sensitivity."""
@@ -211,8 +233,7 @@ def _sensitivity_bins(sigma: float, r: float, bins: int) -> tuple[np.ndarray, np
     from scipy import stats
 
     chi2 = stats.chi2(r)
-    z_cut = min(JL_MAX_MU * sigma, math.sqrt(r / chi2.ppf(_Z_NEGLIGIBLE)))
-    z_low = min(math.sqrt(r / chi2.isf(_Z_LOW_QUANTILE)), z_cut)
+    z_low, z_cut = _z_range(sigma, r)
     edges = np.geomspace(z_low, z_cut, bins + 1)
     below = chi2.sf(r / edges**2)  # P(Z <= z) = P(chi2_r >= r / z^2): accurate where small (low Z)
     above = chi2.cdf(r / edges**2)  # P(Z > z): accurate where small (the heavy upper tail of Z)

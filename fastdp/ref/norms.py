@@ -61,6 +61,12 @@ def _gamma(n: int, u: float) -> float:
     return n * u / (1 - n * u)
 
 
+def rounding_gamma(n: int, dtype: torch.dtype) -> float:
+    """gamma_n of ``dtype``'s unit roundoff: a sum or dot product of n terms computed in ``dtype`` (any order) is
+    within ``gamma_n * sum |terms|`` of the exact value (Higham, Thm 3.1)."""
+    return _gamma(n, unit_roundoff(dtype))
+
+
 def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bound, mass)``, both float64 [B]: ``bound[i] >= ||a_i^T g_i||_F^2`` for the exact per-example gradient of
     the values given, whatever the rounding, and ``mass[i] >= sum_t ||a_it|| ||g_it||`` (which bounds the norm too,
@@ -88,6 +94,27 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
         mass[start : start + chunk] = rows.sum(1)
     mass = mass * (1 + _gamma(max(d, p) + seq + 4, u))  # the mass's own rounding, upward
     return out.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
+
+
+def certified_projections(
+    per_example: torch.Tensor, tangents: torch.Tensor, mass: torch.Tensor, positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P, err)``, float64: ``P [B, r]`` the projections ``<grad_i, v_j>`` of per-example gradients onto tangents
+    (DP-SGD-JL's norm estimates) and ``err [B]`` with ``|P_ij - <grad_i, v_j>| <= err_i`` for every j, ``grad_i`` the
+    exact per-example gradient of the layer's A and G.
+
+    ``per_example`` [B, n] was computed in float64 from A and G (fp32, fp16 and bf16 products are exact there), each
+    entry a sum of ``positions`` products; ``mass[i] >= sum_t |a_it| |g_it|`` bounds the Frobenius norm of the
+    entries' absolute terms. With ``positions = 0`` the tensor is the exact gradient itself (a per-example tensor
+    that is summed as it is) and ``mass[i] >= ||per_example_i||``. Entry rounding (gamma_positions) and the length-n
+    dot product (gamma_n) give ``err_i = gamma_{positions + n + 2} max_j ||v_j|| mass_i`` (Cauchy-Schwarz).
+    ``tangents`` [r, n]."""
+    acc = torch.float64
+    n = per_example.shape[1]
+    v = tangents.to(acc)
+    p = per_example.to(acc) @ v.t()
+    v_norm = float(torch.linalg.vector_norm(v, dim=1).max()) * (1 + _gamma(n + 2, unit_roundoff(acc)))
+    return p, rounding_gamma(positions + n + 2, acc) * v_norm * mass.to(acc)
 
 
 def certified_token_match_norm_sq(idx: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
