@@ -174,7 +174,7 @@ def test_clip_weights_bound_the_estimated_norm_and_zero_padding():
     mask = torch.tensor([True, True, False, True, True, False])
     jl = JL(0.1, 1.0, 0.1, 60, projections=3, reproducible_seed=0)
     run = _run(model, x, y)
-    w = jl.clip_weights(run, _batch(x, y, mask), 0, [{} for _ in run.layers])
+    w = jl.clip_weights(run, mask, 0, [{} for _ in run.layers])
     m = norm_estimates(jl_projections(run, PrivacyKeys(0), 0, 3)[0])
     assert torch.all(w[~mask] == 0)
     assert torch.all(w[mask] * m[mask] <= 0.1) and torch.all(w[mask] * m[mask] > 0.1 * (1 - 1e-5))

@@ -185,11 +185,21 @@ def _ghost_clipped_gradient_sum(
         none = torch.zeros((), dtype=torch.int64, device=batch.x.device) if finite_only else None
         return zeros, torch.zeros((), device=batch.x.device), none
     run = ghost_backward(model, loss_fn, batch, forward, loss_scale)
+    return clipped_sums_of_backward(model, run, batch.mask, clip_norm, scale, loss_scale, finite_only)
+
+
+def clipped_sums_of_backward(
+    model, run: GhostBackward, mask: torch.Tensor, clip_norm, scale: float, loss_scale: float, finite_only: bool
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """The clipped sums (per trainable parameter, times ``scale``), summed loss and non-finite count
+    (``finite_only``) of a backward through DP layers, however it was run: by :func:`ghost_backward`, or by a
+    user's own loop through the front door (``fastdp.engine``). ``run.grads_out`` must be the gradients of
+    ``loss_scale`` times the sum of the per-example losses."""
     if not isinstance(clip_norm, (int, float)):
         order = {id(m): i for i, m in enumerate(_check_per_layer(model, clip_norm))}
         clip_norm = [clip_norm[order[id(layer)]] for layer in run.layers]
-    layer_sums, loss, dropped = _clip_and_sum(run.layers, run.saved, run.grads_out, run.losses, batch.mask,
-                                              clip_norm, scale, loss_scale, finite_only)  # fmt: skip
+    layer_sums, loss, dropped = _clip_and_sum(run.layers, run.saved, run.grads_out, run.losses, mask, clip_norm,
+                                              scale, loss_scale, finite_only)  # fmt: skip
     return run.by_parameter(layer_sums), loss, dropped
 
 
@@ -390,6 +400,23 @@ class DPSGD(Variant):
         sums, loss, dropped = _ghost_clipped_gradient_sum(model, self.loss_fn, batch, self.clip_norm, scale,
                                                           self._forward, self.loss_scale,
                                                           finite_only=self.precision != "fp32")  # fmt: skip
+        if dropped is not None:
+            self.nonfinite_examples = self.nonfinite_examples + dropped
+        return sums, loss
+
+    def sums_of_backward(
+        self, model: torch.nn.Module, run: GhostBackward, mask: torch.Tensor, step: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`clipped_sum` of a backward the caller ran (the front door: the user's own forward, loss and
+        ``loss.backward()``; ``run.grads_out`` are gradients of the sum of the per-example losses). Ghost mode;
+        low-precision A or G (the user's autocast) get the non-finite handling of bf16/fp16."""
+        if self.mode != "ghost":
+            raise ValueError("DPSGD(mode='reference') recomputes per-example gradients with torch.func and cannot "
+                             "use a backward run by the caller; use mode='ghost'")  # fmt: skip
+        low = any(t.is_floating_point() and t.dtype != torch.float64 and t.dtype != torch.float32
+                  for t in [*run.grads_out, *(a for saved in run.saved for a in saved)])  # fmt: skip
+        sums, loss, dropped = clipped_sums_of_backward(model, run, mask, self.clip_norm, 1.0 / self.expected_batch_size,
+                                                       1.0, finite_only=low or self.precision != "fp32")  # fmt: skip
         if dropped is not None:
             self.nonfinite_examples = self.nonfinite_examples + dropped
         return sums, loss

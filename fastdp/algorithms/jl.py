@@ -209,12 +209,23 @@ class JL(Variant):
         """Every DP layer's input rows are projected and summed per example."""
         return dp_layers(model)
 
-    def clip_weights(self, run: GhostBackward, batch: Batch, step: int, caches: list) -> torch.Tensor:
-        """w_i (:func:`jl_weights`) on real rows, 0 on padding."""
+    def clip_weights(self, run: GhostBackward, mask: torch.Tensor, step: int, caches: list) -> torch.Tensor:
+        """w_i (:func:`jl_weights`) on real rows (``mask``), 0 on padding."""
         p, err, allowance = jl_projections(run, self.keys, step, self.projections, self.chunk, caches)
         acc = sum_dtype(run.grads_out[0]) if run.grads_out else torch.float32
         weights = jl_weights(p, err, allowance, self.clip_norm, self.z_floor, acc)
-        return weights * batch.mask.to(weights.dtype)
+        return weights * mask.to(weights.dtype)
+
+    def sums_of_backward(
+        self, model: nn.Module, run: GhostBackward, mask: torch.Tensor, step: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`clipped_sum` of a backward the caller ran (the front door, ``fastdp.engine``); fp32/float64."""
+        low = [str(g.dtype) for g in run.grads_out if g.dtype not in (torch.float32, torch.float64)]
+        if low:
+            raise ValueError(f"DP-SGD-JL trains in fp32 only, but the backward ran in {low[0]} (autocast): "
+                             f"{self.low_precision_refusal}. Run the forward without autocast")  # fmt: skip
+        caches = [{} for _ in run.layers]
+        return _clipped_sum(run, self.clip_weights(run, mask, step, caches), caches), run.losses.sum()
 
     def clipped_sum(self, model: nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         self.prepare(model)
@@ -222,10 +233,7 @@ class JL(Variant):
         if batch.x.shape[0] == 0:
             params = trainable_parameters(model)
             return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
-        run = ghost_backward(model, self.loss_fn, batch, self._forward)
-        caches = [{} for _ in run.layers]
-        weights = self.clip_weights(run, batch, step, caches)
-        return _clipped_sum(run, weights, caches), run.losses.sum()
+        return self.sums_of_backward(model, ghost_backward(model, self.loss_fn, batch, self._forward), batch.mask, step)
 
     def release(self, model: nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)

@@ -1,0 +1,116 @@
+"""The front door's data loader: Poisson batches from any map-style data set, through the user's ``collate_fn``.
+
+Opacus' ``DPDataLoader`` semantics: each example joins each batch independently with probability
+``q = batch_size / len(dataset)`` (the sample rate the accountant analyses); an epoch is ``len(loader)`` steps of the
+original loader (about N / batch_size); batches have random size, and may be empty. The inclusions come from
+:class:`fastdp.privacy.PoissonSampler`: OS entropy by default, a seeded generator only on an explicit request
+(``reproducible_seed``, NOT FOR RELEASE).
+
+An empty batch is collated from one example's structure with every tensor cut to zero rows (and every list to no
+element), so a model, a loss and ``loss.backward()`` run on it as on any batch and the step still releases noise (a
+skipped step would reveal that the sample was empty). The structure comes from ``dataset[0]``: its shapes and dtypes,
+never its values, reach the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from fastdp.privacy.sampling import PoissonSampler
+
+
+def empty_like_batch(batch):
+    """``batch`` (a collated structure: tensors, lists, tuples, dicts, anything else) with every tensor cut to its
+    first zero rows and every list or tuple of non-tensors emptied: a well-formed batch of no example."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return type(batch)({k: empty_like_batch(v) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(empty_like_batch(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        if batch and all(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
+            return type(batch)(empty_like_batch(v) for v in batch)
+        return type(batch)()  # a collated list of strings, ids, ...: one entry per example
+    return batch
+
+
+class _BatchSampler:
+    """Batches of dataset indices from a :class:`PoissonSampler`, ``steps_per_epoch`` per epoch."""
+
+    def __init__(self, sampler: PoissonSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def __iter__(self):
+        for _ in range(self.sampler.steps_per_epoch):
+            yield self.sampler.sample().tolist()
+
+
+class DPDataLoader(DataLoader):
+    """A ``DataLoader`` of Poisson batches with expected size ``sample_rate * len(dataset)``; see the module
+    docstring. Built by :meth:`from_data_loader` (what ``PrivacyEngine.make_private`` does with the user's loader)."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sample_rate: float,
+        steps_per_epoch: int | None = None,
+        collate_fn=None,
+        reproducible_seed: int | None = None,
+        **loader_kwargs,
+    ) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"the private data loader samples from a map-style data set (with __getitem__ and __len__), got "
+                f"{type(dataset).__name__}: Poisson sampling includes each example independently, which an "
+                "iterable-style data set cannot do; load it into a map-style data set (e.g. a TensorDataset)"
+            )
+        if len(dataset) == 0:
+            raise ValueError("the data set is empty: Poisson sampling needs at least one example")
+        self.poisson = PoissonSampler(len(dataset), sample_rate, steps_per_epoch, reproducible_seed)
+        self.sample_rate = self.poisson.sample_rate
+        self._collate = collate_fn if collate_fn is not None else default_collate
+        super().__init__(dataset, batch_sampler=_BatchSampler(self.poisson), collate_fn=self._collate_or_empty,
+                         **loader_kwargs)  # fmt: skip
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q N: what the noisy sum is divided by."""
+        return self.poisson.expected_batch_size
+
+    def _collate_or_empty(self, examples: list):
+        if examples:
+            return self._collate(examples)
+        return empty_like_batch(self._collate([self.dataset[0]]))
+
+    @classmethod
+    def from_data_loader(
+        cls, data_loader: DataLoader, reproducible_seed: int | None = None, poisson_sampling: bool = True
+    ) -> DPDataLoader:
+        """The Poisson version of ``data_loader``: same data set, ``collate_fn``, workers and pinning; sample rate
+        ``batch_size / len(dataset)`` and ``len(data_loader)`` steps per epoch (Opacus' ``DPDataLoader``)."""
+        if not poisson_sampling:
+            raise ValueError(
+                "poisson_sampling=False is refused: the accountants analyse Poisson sampling, and fixed-size "
+                "shuffled batches are not what their epsilon is for. Keep poisson_sampling=True (the default)"
+            )
+        batch_size = data_loader.batch_size
+        if batch_size is None and data_loader.batch_sampler is not None:
+            batch_size = getattr(data_loader.batch_sampler, "batch_size", None)
+        if not batch_size:
+            raise ValueError(
+                "the data loader has no batch_size (a custom batch_sampler?): give the DataLoader a batch_size, the "
+                "expected size of the private Poisson batches"
+            )
+        n = len(data_loader.dataset)
+        kwargs = dict(num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory,
+                      timeout=data_loader.timeout, worker_init_fn=data_loader.worker_init_fn,
+                      prefetch_factor=data_loader.prefetch_factor if data_loader.num_workers else None,
+                      persistent_workers=data_loader.persistent_workers)  # fmt: skip
+        return cls(data_loader.dataset, min(1.0, batch_size / n), len(data_loader), data_loader.collate_fn,
+                   reproducible_seed, **kwargs)  # fmt: skip

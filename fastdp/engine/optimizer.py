@@ -1,0 +1,215 @@
+"""The front door's optimizer: the user's optimizer, whose ``step()`` releases one private gradient.
+
+``DPOptimizer(optimizer, module, variant, ...)`` wraps any ``torch.optim.Optimizer`` (its ``param_groups`` and
+``state`` are the original's, so learning-rate schedulers and ``state_dict`` work). ``step()``:
+
+1. takes what the model's training forwards since the last step recorded (:class:`fastdp.engine.PrivateModule`:
+   each DP layer's A and, after ``loss.backward()``, G), scales G by the number of examples under
+   ``loss_reduction="mean"`` (so each row's gradient is that of the example's own loss);
+2. asks the variant for the clipped sums of that backward (``Variant.sums_of_backward``: DP-SGD's certified ghost
+   norms, DP-SGD-JL's projections), adding the sums of every forward since the last step (gradient accumulation);
+3. unless the step is skipped (a virtual step of a larger logical batch, :meth:`signal_skip_step`), checks once per
+   shape signature that every row is one example (``fastdp.nn.rows``, for single-tensor inputs), adds the noise
+   once with the step's key (the variant's ``release``: the same code and keys as the variant API, so the released
+   gradient equals it for the same batch and key), sets ``p.grad`` to the noisy mean over the expected batch size
+   (``loss_reduction="mean"``) or the noisy sum (``"sum"``, as Opacus), runs the original optimizer's step and records
+   one accounting event.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+from fastdp.algorithms.base import Variant, sum_dtype, trainable_parameters
+from fastdp.algorithms.dpsgd import GhostBackward
+from fastdp.engine.module import PrivateModule, Recorded
+from fastdp.nn.rows import RowProbe
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+class DPOptimizer(Optimizer):
+    """See the module docstring. ``accountant`` (a :class:`fastdp.privacy.PrivacyAccountant`) records each released
+    step; ``projections`` is the variant's JL r (``math.inf`` for exact norms)."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        module: PrivateModule,
+        variant: Variant,
+        accountant,
+        loss_reduction: str = "mean",
+        projections: float = float("inf"),
+    ) -> None:
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got {loss_reduction!r}")
+        model_params = {id(p) for p in trainable_parameters(module._module)}
+        opt_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not opt_params <= {id(p) for p in module._module.parameters()}:
+            raise ValueError("the optimizer holds parameters that are not the private model's: give make_private the "
+                             "optimizer of this model's parameters")  # fmt: skip
+        missing = model_params - opt_params
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameters of the model are not in the optimizer: their noisy gradients "
+                "would be released and never used. Freeze them (requires_grad=False) or add them to the optimizer"
+            )
+        self.original_optimizer = optimizer
+        self.module, self.variant, self.accountant = module, variant, accountant
+        self.loss_reduction = loss_reduction
+        self.projections = projections
+        self.steps_taken = 0  # released steps: the index that keys the noise
+        self._sums: list[torch.Tensor] | None = None
+        self._skip_next = False
+        self._probe = RowProbe()
+
+    # -- torch.optim.Optimizer surface: the original optimizer's
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.original_optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ValueError("add a parameter group before make_private: the private step covers the parameters the "
+                         "model had when it was made private")  # fmt: skip
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.original_optimizer.state_dict(), "steps_taken": self.steps_taken}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict["optimizer"])
+        self.steps_taken = int(state_dict["steps_taken"])
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.variant.name}, {self.original_optimizer!r})"
+
+    # -- Opacus' names
+    @property
+    def noise_multiplier(self) -> float:
+        return self.variant.noise_multiplier
+
+    @property
+    def max_grad_norm(self):
+        return self.variant.clip_norm
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.variant.expected_batch_size
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """The next ``step()`` only accumulates the clipped sums (a physical batch of a larger logical one): no noise,
+        no optimizer step, no accounting (Opacus' ``BatchMemoryManager`` protocol)."""
+        self._skip_next = do_skip
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the parameters' gradients and drop what the forwards recorded since the last step. The clipped sums
+        of skipped (virtual) steps are kept until their logical step is released."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.module.forget_recorded()
+
+    # -- the private step
+    def _backward_sums(self, recorded: Recorded) -> list[torch.Tensor] | None:
+        records = recorded.records
+        if records and all(r.grad is None for r in records):
+            return None  # a training forward whose loss was never backpropagated contributes nothing
+        model = self.module._module
+        params = trainable_parameters(model)
+        owned = {id(p) for r in records for p in r.layer.dp_parameters()}
+        missing = [p for p in params if id(p) not in owned]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameters were not used through a fastdp DP layer in the forward: their "
+                "gradients cannot be clipped per example. Freeze them (requires_grad=False) or replace the modules "
+                "that hold them (fastdp.nn.validate(model) lists them)"
+            )
+        n = recorded.examples
+        if recorded.inputs is not None and n >= 2:
+            self._check_rows(model, recorded.inputs)
+        for r in records:
+            if len(r.shape) == 0 or r.shape[0] != n:
+                raise ValueError(
+                    f"{type(r.layer).__name__} was called on a tensor whose first dimension ({tuple(r.shape)}) is not "
+                    f"the batch ({n} examples): DP layers need batch-first inputs so each row belongs to one example"
+                )
+        scale = float(n) if self.loss_reduction == "mean" else 1.0
+        grads = []
+        for r in records:
+            g = r.grad if r.grad is not None else torch.zeros(r.shape, dtype=r.dtype)
+            grads.append(g * scale if scale != 1.0 else g)
+        device = grads[0].device if grads else torch.device("cpu")
+        run = GhostBackward(params, [r.layer for r in records], [r.saved for r in records], grads,
+                            torch.zeros(n, device=device))  # fmt: skip
+        sums, _ = self.variant.sums_of_backward(model, run, torch.ones(n, dtype=torch.bool, device=device),
+                                                self.steps_taken)  # fmt: skip
+        return sums
+
+    def _check_rows(self, model: torch.nn.Module, x: torch.Tensor) -> None:
+        """Each row one example (``fastdp.nn.rows``): the model's output rows and the DP layers' input rows must not
+        change when one example's input does; once per shape signature, for a forward of one tensor argument."""
+
+        def outputs(inputs: torch.Tensor) -> torch.Tensor:
+            out = model(inputs)
+            return out if isinstance(out, torch.Tensor) else torch.zeros(inputs.shape[0], device=inputs.device)
+
+        with torch.no_grad():
+            self._probe.check(outputs, model, x, self.variant.row_layers(model), f"variant {self.variant.name!r}",
+                              before=lambda: self.variant.check_model(model))  # fmt: skip
+
+    def pre_step(self) -> bool:
+        """Add the clipped sums of the forwards since the last step; whether this step releases (not skipped)."""
+        for recorded in self.module.take_recorded():
+            sums = self._backward_sums(recorded)
+            if sums is None:
+                continue
+            if self._sums is None:
+                self._sums = sums
+            else:
+                torch._foreach_add_(self._sums, sums)
+        skip, self._skip_next = self._skip_next, False
+        return not skip
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.pre_step():
+            return loss
+        model = self.module._module
+        self.variant.check_parameters(model)
+        params = trainable_parameters(model)
+        sums = self._sums if self._sums is not None else [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params]
+        self._sums = None
+        self.variant.release(model, sums, self.steps_taken)
+        if self.loss_reduction == "sum":
+            for p in params:
+                p.grad.mul_(self.variant.expected_batch_size)
+        self.original_optimizer.step()
+        self.variant.after_step(model)
+        event = self.variant.privacy_event()
+        if event is not None:
+            self.accountant.step(*event, projections=self.projections)
+        self.steps_taken += 1
+        return loss
+
+

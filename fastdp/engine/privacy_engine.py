@@ -1,0 +1,248 @@
+"""``fastdp.PrivacyEngine``: Opacus' front door, fastdp's engine behind it.
+
+An Opacus script runs by changing its import line::
+
+    from fastdp import PrivacyEngine          # was: from opacus import PrivacyEngine
+
+    engine = PrivacyEngine()
+    model, optimizer, train_loader = engine.make_private_with_epsilon(
+        module=model, optimizer=optimizer, data_loader=train_loader,
+        target_epsilon=3.0, target_delta=1e-5, epochs=10, max_grad_norm=1.0)
+    for x, y in train_loader:                 # Poisson batches (possibly empty)
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)         # mean over the batch's examples
+        loss.backward()                       # one backward: per-example norms from each layer's A and G
+        optimizer.step()                      # clipped sum + noise once, original optimizer step, accounting
+    print(engine.get_epsilon(1e-5))
+
+What is the same as Opacus: the names and meanings of ``make_private`` / ``make_private_with_epsilon`` and their
+arguments, the returned ``(module, optimizer, data_loader)`` (four values with ``grad_sample_mode="ghost"``, the
+criterion passed through), Poisson batches with expected size the loader's ``batch_size``, ``loss_reduction``
+("mean": the noisy sum is divided by the expected batch size; "sum": not), ``clipping="flat"|"per_layer"``,
+``get_epsilon(delta)``, ``secure_mode``.
+
+What differs, and why:
+
+* The per-example path is fastdp's (``fastdp.engine.PrivateModule``): one forward, one backward, no per-sample
+  gradient tensors; ``grad_sample_mode`` is accepted and ignored.
+* ``accountant``: "rdp" and "pld" are fastdp's accountants of those names; "prv" (Opacus' default) is computed with
+  fastdp's PLD accountant (also a tight numerical accountant; fastdp has no PRV implementation), and a warning says
+  so. :attr:`PrivacyEngine.accountant_mechanism` is the one used.
+* Privacy randomness: by default every draw (noise, Poisson sampling, JL tangents) is keyed by OS entropy.
+  ``noise_generator`` (a ``torch.Generator``) is refused: noise from a generator anyone can seed can be regenerated
+  and subtracted. ``reproducible_seed=N`` gives a reproducible run, NOT FOR RELEASE; ``secure_mode=True`` refuses it.
+* fastdp's noise is a 4-draw sum with bounded tails: :meth:`get_epsilon` reports epsilon at ``delta`` minus the
+  bound on the probability of an output impossible without an example (``fastdp.privacy.truncation_delta``), and
+  ``make_private_with_epsilon`` calibrates so that the total stays within the target.
+* ``delta >= 1 / N`` is refused (it permits releasing an example outright) unless ``allow_large_delta=True``.
+* ``variant=``: "dpsgd" (Opacus' DP-SGD) or "jl" (DP-SGD-JL, ``projections=r``; PLD accounting only). The
+  Lipschitz variants ("clipless", "weightclip") and backpropagation clipping ("backprop") are not yet available
+  through the front door and are refused with that reason: use ``fastdp train`` or the variant API for them.
+* ``poisson_sampling=False`` and ``clipping="adaptive"`` are refused (no guarantee is computed for them here).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from fastdp.algorithms import DPSGD, JL
+from fastdp.algorithms.base import trainable_parameters
+from fastdp.engine.data import DPDataLoader
+from fastdp.engine.module import PrivateModule
+from fastdp.engine.optimizer import DPOptimizer
+from fastdp.privacy.accounting import PrivacyAccountant, get_noise_multiplier, truncation_delta
+from fastdp.privacy.rng import check_reproducible_seed
+
+ACCOUNTANTS = {"rdp": "rdp", "pld": "pld", "prv": "pld"}
+FRONT_DOOR_VARIANTS = ("dpsgd", "jl")
+LATER_VARIANTS = ("clipless", "weightclip", "backprop")
+CLIPPINGS = ("flat", "per_layer")
+GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew", "ghost_bk")
+
+
+class PrivacyEngine:
+    """See the module docstring. ``accountant``: "prv" (default, as Opacus; computed by PLD), "rdp" or "pld"."""
+
+    def __init__(self, accountant: str = "prv", secure_mode: bool = False) -> None:
+        if accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
+        if accountant == "prv":
+            warnings.warn(
+                "accountant='prv' is computed with fastdp's PLD accountant (privacy loss distributions, also tight; "
+                "fastdp has no PRV implementation); pass accountant='pld' to say so, or 'rdp'",
+                stacklevel=2,
+            )
+        self.accountant_requested = accountant
+        self.accountant_mechanism = ACCOUNTANTS[accountant]
+        self.accountant = PrivacyAccountant(self.accountant_mechanism)
+        self.secure_mode = bool(secure_mode)
+        self.optimizer: DPOptimizer | None = None
+        self._num_examples: int | None = None
+        self._allow_large_delta = False
+
+    # ------------------------------------------------------------------------------------------------------ build
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader,
+        noise_multiplier: float,
+        max_grad_norm: float | list[float],
+        criterion: nn.Module | None = None,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        poisson_sampling: bool = True,
+        clipping: str = "flat",
+        noise_generator=None,
+        grad_sample_mode: str = "hooks",
+        variant: str = "dpsgd",
+        projections: int = 10,
+        reproducible_seed: int | None = None,
+        allow_large_delta: bool = False,
+        **kwargs,
+    ):
+        """``(module, optimizer, data_loader)`` for private training (Opacus' ``make_private``); with
+        ``grad_sample_mode="ghost"`` ``(module, optimizer, criterion, data_loader)``, as Opacus returns then.
+
+        ``noise_multiplier`` sigma: noise std / clip norm on the summed clipped gradients. ``max_grad_norm`` C: one
+        bound, or one per DP layer (``clipping="per_layer"``, in ``model.modules()`` order). ``variant`` "dpsgd" or
+        "jl" (``projections`` r). ``reproducible_seed``: NOT FOR RELEASE (module docstring)."""
+        if kwargs:
+            raise TypeError(f"make_private got unexpected arguments: {', '.join(sorted(kwargs))}")
+        if self.optimizer is not None:
+            raise ValueError("this PrivacyEngine already made a model private: use one engine per model and run "
+                             "(its accountant holds that run's steps)")  # fmt: skip
+        if not batch_first:
+            raise ValueError("batch_first=False is refused: fastdp needs batch-first inputs (each row one example); "
+                             "transpose sequence-first inputs before the model")  # fmt: skip
+        if noise_generator is not None:
+            raise ValueError(
+                "noise_generator is refused: noise drawn from a torch.Generator can be regenerated by whoever knows "
+                "its seed and subtracted from the model. fastdp keys its noise by OS entropy by default; for a "
+                "reproducible (NOT FOR RELEASE) run pass reproducible_seed=N"
+            )
+        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ValueError(f"grad_sample_mode must be one of {', '.join(GRAD_SAMPLE_MODES)} (fastdp ignores it: "
+                             f"its own one-backward path is used), got {grad_sample_mode!r}")  # fmt: skip
+        if clipping not in CLIPPINGS:
+            raise ValueError(f"clipping must be one of {', '.join(CLIPPINGS)}, got {clipping!r} (adaptive "
+                             "clipping is not offered: its threshold is a private quantity with its own accounting)")  # fmt: skip
+        per_layer = clipping == "per_layer"
+        if per_layer == isinstance(max_grad_norm, (int, float)):
+            raise ValueError(
+                "clipping='per_layer' needs max_grad_norm as a list (one bound per DP layer), and clipping='flat' one "
+                f"number; got clipping={clipping!r}, max_grad_norm={max_grad_norm!r}"
+            )
+        reproducible_seed = check_reproducible_seed(reproducible_seed)
+        if self.secure_mode and reproducible_seed is not None:
+            raise ValueError("secure_mode refuses reproducible_seed: whoever knows the seed can regenerate the noise "
+                             "and the batches; drop it (privacy draws then come from OS entropy)")  # fmt: skip
+        loader = DPDataLoader.from_data_loader(data_loader, reproducible_seed, poisson_sampling)
+        n = len(loader.dataset)
+        private = PrivateModule(module)
+        seed = None if reproducible_seed is None else (reproducible_seed * 0x9E3779B97F4A7C15 + 1) % 2**63
+        dp_variant, r = self._variant(variant, max_grad_norm, noise_multiplier, loader.sample_rate, n, projections,
+                                      seed)  # fmt: skip
+        dp_variant.check_parameters(module)
+        dp_variant.prepare(module)
+        self._num_examples, self._allow_large_delta = n, bool(allow_large_delta)
+        self.optimizer = DPOptimizer(optimizer, private, dp_variant, self.accountant, loss_reduction, r)
+        if grad_sample_mode == "ghost":
+            return private, self.optimizer, criterion, loader
+        return private, self.optimizer, loader
+
+    def _variant(self, name, clip, sigma, q, n, projections, seed):
+        if name in LATER_VARIANTS:
+            raise ValueError(
+                f"variant {name!r} is not yet available through PrivacyEngine (its bound needs the loss and the "
+                "model's Lipschitz rules, or clipping layers inside the backward, which the front door does not wire "
+                f"yet): train it with `fastdp train --variant {name}` or the variant API (fastdp.algorithms)"
+            )
+        if name not in FRONT_DOOR_VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(FRONT_DOOR_VARIANTS + LATER_VARIANTS)}, got {name!r}")
+        if name == "jl":
+            if self.accountant_mechanism != "pld":
+                raise ValueError("variant='jl' is accounted by PLD only (its privacy loss has no useful RDP): "
+                                 "PrivacyEngine(accountant='pld')")  # fmt: skip
+            return JL(clip, sigma, q, n, projections=projections, reproducible_seed=seed), float(projections)
+        return DPSGD(clip, sigma, q, n, reproducible_seed=seed), math.inf
+
+    def make_private_with_epsilon(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: int,
+        max_grad_norm: float | list[float],
+        epsilon_tolerance: float = 0.01,
+        **kwargs,
+    ):
+        """:meth:`make_private` with the noise multiplier calibrated so that ``epochs`` epochs (``len(data_loader)``
+        steps each) are (target_epsilon, target_delta)-DP, the noise's truncation bound included."""
+        if "noise_multiplier" in kwargs:
+            raise TypeError("make_private_with_epsilon calibrates noise_multiplier: do not pass one")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
+        n = len(data_loader.dataset)
+        self._check_delta(target_delta, n, kwargs.get("allow_large_delta", False))
+        steps = epochs * len(data_loader)
+        q = min(1.0, data_loader.batch_size / n) if data_loader.batch_size else None
+        if q is None:
+            raise ValueError("the data loader has no batch_size: give the DataLoader a batch_size")
+        variant = kwargs.get("variant", "dpsgd")
+        r = float(kwargs.get("projections", 10)) if variant == "jl" else math.inf
+        d = sum(p.numel() for p in trainable_parameters(module))
+
+        def calibrate(delta: float) -> float:
+            return get_noise_multiplier(target_epsilon, delta, q, steps, accountant=self.accountant_mechanism,
+                                        epsilon_tolerance=epsilon_tolerance, projections=r)  # fmt: skip
+
+        sigma = calibrate(target_delta)
+        spent = truncation_delta(sigma, steps, d, r)
+        if spent > target_delta / 100:
+            raise ValueError(
+                f"noise multiplier {sigma:.4g} is too small for {steps} steps: fastdp's noise is bounded (a sum of 4 "
+                f"Box-Muller draws), and the probability that some step's output is impossible without one example is "
+                f"bounded only by {spent:.3g} here ({d} noised coordinates), above delta/100 = {target_delta / 100:.3g}"
+                " (docs/privacy-randomness.md). Use a smaller target_epsilon, a larger batch_size, or fewer epochs"
+            )
+        if spent > 0:
+            sigma = calibrate(target_delta - spent)  # larger sigma: its truncation bound is smaller still
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=sigma,
+                                 max_grad_norm=max_grad_norm, **kwargs)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------------- accounting
+    @staticmethod
+    def _check_delta(delta: float, n: int, allow_large: bool) -> None:
+        if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+        if delta >= 1 / n and not allow_large:
+            raise ValueError(
+                f"delta={delta:g} is >= 1/N = 1/{n} for the {n} training examples: publishing one training example "
+                f"chosen at random, verbatim, is (0, 1/N)-DP, so a delta this large permits releasing an example "
+                f"outright. Use a delta well below 1/N (e.g. 1/(10 N) = {0.1 / n:.3g}), or pass allow_large_delta=True "
+                "to make_private if you know why you need it"
+            )
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon of the steps taken so far at ``delta``: the accountant's at ``delta`` minus the noise's truncation
+        bound (module docstring); ``inf`` when that bound reaches delta."""
+        if self.optimizer is None:
+            raise ValueError("no model was made private with this engine yet: call make_private first")
+        self._check_delta(delta, self._num_examples, self._allow_large_delta)
+        variant = self.optimizer.variant
+        steps = self.accountant.steps
+        d = sum(p.numel() for p in trainable_parameters(self.optimizer.module._module))
+        spent = truncation_delta(variant.noise_multiplier, steps, d, self.optimizer.projections) if steps else 0.0
+        if spent >= delta:
+            return math.inf
+        return self.accountant.get_epsilon(delta - spent)

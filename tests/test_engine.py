@@ -1,0 +1,316 @@
+"""The front door (fastdp.PrivacyEngine): Opacus' API over the variants, with the user's own model, data and loop."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from fastdp import PrivacyEngine
+from fastdp.algorithms import DPSGD, JL, Batch
+from fastdp.algorithms.base import trainable_parameters
+from fastdp.engine.data import empty_like_batch
+from fastdp.nn import UnsupportedLayerError
+
+SEED = 7
+DERIVED = (SEED * 0x9E3779B97F4A7C15 + 1) % 2**63  # the noise key the engine derives from reproducible_seed
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _data(n=40, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+
+
+def _private(model, x, y, batch_size=10, lr=1.0, **kwargs):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
+    engine = PrivacyEngine(accountant=kwargs.pop("accountant", "rdp"))
+    kwargs.setdefault("noise_multiplier", 0.8)
+    kwargs.setdefault("max_grad_norm", 0.5)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                             reproducible_seed=SEED, **kwargs)  # fmt: skip
+    return engine, model, opt, loader
+
+
+def _step(model, opt, x, y, reduction="mean"):
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y, reduction=reduction)
+    loss.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_released_update_equals_the_variant_apis_for_the_same_batch_and_key(reduction):
+    x, y = _data()
+    xb, yb = x[:9], y[:9]
+    _, model, opt, _ = _private(_mlp(), x, y, loss_reduction=reduction)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(xb), yb, reduction=reduction)
+    loss.backward()
+    assert all(p.grad is None for p in model.parameters())  # one backward, no weight gradient formed by it
+    opt.step()
+    released = [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]  # lr 1: the gradient
+    reference = _mlp()
+    variant = DPSGD(0.5, 0.8, 10 / 40, 40, reproducible_seed=DERIVED)
+    variant.gradient(reference, Batch(xb, yb, torch.ones(9, dtype=torch.bool)), 0)
+    scale = 10.0 if reduction == "sum" else 1.0  # "sum": the noisy sum (Opacus), not divided by q N
+    for got, p in zip(released, reference.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad * scale, rtol=1e-5, atol=1e-6)
+    assert opt.steps_taken == 1 and opt.accountant.steps == 1
+
+
+def test_jl_through_the_front_door_equals_its_variant_api():
+    x, y = _data()
+    xb, yb = x[:8], y[:8]
+    _, model, opt, _ = _private(_mlp(), x, y, variant="jl", projections=4, accountant="pld")
+    before = [p.detach().clone() for p in model.parameters()]
+    _step(model, opt, xb, yb)
+    reference = _mlp()
+    JL(0.5, 0.8, 10 / 40, 40, projections=4, reproducible_seed=DERIVED).gradient(
+        reference, Batch(xb, yb, torch.ones(8, dtype=torch.bool)), 0
+    )
+    for b, p, r in zip(before, model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(b - p.detach(), r.grad, rtol=1e-5, atol=1e-6)
+    assert opt.accountant.history == [(0.8, 0.25, 1, 4.0)]
+
+
+def test_per_layer_clipping_equals_the_variant_api():
+    x, y = _data()
+    _, model, opt, _ = _private(_mlp(), x, y, clipping="per_layer", max_grad_norm=[0.3, 0.6])
+    before = [p.detach().clone() for p in model.parameters()]
+    _step(model, opt, x[:7], y[:7])
+    reference = _mlp()
+    DPSGD([0.3, 0.6], 0.8, 0.25, 40, reproducible_seed=DERIVED).gradient(
+        reference, Batch(x[:7], y[:7], torch.ones(7, dtype=torch.bool)), 0
+    )
+    for b, p, r in zip(before, model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(b - p.detach(), r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_an_opacus_style_script_trains_and_reports_epsilon_within_its_target():
+    torch.manual_seed(0)
+    x = torch.randn(600, 10)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = DataLoader(TensorDataset(x, y), batch_size=60)
+    engine = PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private_with_epsilon(
+        module=model, optimizer=optimizer, data_loader=loader, target_epsilon=4.0, target_delta=1e-4, epochs=4,
+        max_grad_norm=1.0,
+    )  # fmt: skip
+    criterion = nn.CrossEntropyLoss()
+    for _ in range(4):
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            criterion(model(xb), yb).backward()
+            optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).float().mean().item()
+    epsilon = engine.get_epsilon(1e-4)
+    assert optimizer.steps_taken == 40 and 3.5 < epsilon <= 4.0
+    assert accuracy > 0.8, accuracy
+
+
+class _Tokens(Dataset):
+    """Hugging Face-style examples: dicts of input_ids, attention_mask and labels (-100 on padding)."""
+
+    def __init__(self, n=30, seq=6, vocab=11, seed=2):
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, vocab, (n, seq), generator=gen)
+        lengths = torch.randint(2, seq + 1, (n,), generator=gen)
+        self.mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+        self.ids = self.ids * self.mask
+        self.labels = torch.where(self.mask.bool(), self.ids, -100)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, vocab=11, dim=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.norm, self.head = nn.Embedding(vocab, dim), nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, attention_mask):
+        return self.head(self.norm(self.embed(input_ids)) * attention_mask.unsqueeze(-1))
+
+
+def _token_losses(logits, labels):
+    """Per-example loss: the mean over the example's own tokens (ignore_index -100), never over the batch's."""
+    per_token = nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    return per_token.sum(1) / (labels != -100).sum(1).clamp(min=1)
+
+
+def test_dict_batches_with_padding_and_ignore_index_equal_the_variant_api():
+    data = _Tokens()
+    model = _TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine = PrivacyEngine(accountant="rdp")
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=6),
+                                             noise_multiplier=0.5, max_grad_norm=0.7,
+                                             reproducible_seed=SEED)  # fmt: skip
+    batch = next(b for b in loader if len(b["input_ids"]) >= 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    _token_losses(logits, batch["labels"]).mean().backward()
+    opt.step()
+    reference = _TinyLM()
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    rows = torch.cat([ids, mask, labels], dim=1)  # the variant API's Batch.x is one tensor
+
+    def loss_fn(out, idx):
+        return _token_losses(out, labels[idx])
+
+    class Packed(nn.Module):
+        def forward(self, packed):
+            t = ids.shape[1]
+            return reference(packed[:, :t], packed[:, t : 2 * t])
+
+    variant = DPSGD(0.7, 0.5, 6 / 30, 30, reproducible_seed=DERIVED, loss_fn=loss_fn)
+    wrapped = Packed()
+    wrapped.inner = reference
+    variant.gradient(wrapped, Batch(rows, torch.arange(len(ids)), torch.ones(len(ids), dtype=torch.bool)), 0)
+    for b, p, r in zip(before, model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(b - p.detach(), r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_empty_poisson_batches_are_well_formed_and_still_release_noise():
+    x, y = _data(n=200)
+    engine, model, opt, loader = _private(_mlp(), x, y, batch_size=1)  # q = 0.005: most batches are empty
+    sizes = []
+    for xb, yb in loader:
+        sizes.append(len(xb))
+        assert xb.shape[1:] == (6,) and xb.dtype == torch.float32 and yb.dtype == torch.int64
+        before = [p.detach().clone() for p in model.parameters()]
+        _step(model, opt, xb, yb)
+        assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))  # noise
+    assert 0 in sizes and len(sizes) == 200 and opt.steps_taken == 200
+    assert math.isfinite(engine.get_epsilon(1e-3))
+    assert empty_like_batch({"a": torch.ones(3, 2), "s": ["x", "y", "z"]})["s"] == []
+
+
+def test_the_loader_keeps_the_users_collate_fn_and_samples_with_the_batch_size_as_expectation():
+    x, y = _data(n=400)
+    calls = []
+
+    def collate(examples):
+        calls.append(len(examples))
+        return torch.stack([e[0] for e in examples]), torch.stack([e[1] for e in examples])
+
+    loader = DataLoader(TensorDataset(x, y), batch_size=40, collate_fn=collate)
+    engine, model = PrivacyEngine(accountant="rdp"), _mlp()
+    _, _, dp_loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+    sizes = [len(b[0]) for _ in range(5) for b in dp_loader]
+    assert dp_loader.sample_rate == 0.1 and len(dp_loader) == 10 and calls
+    assert abs(sum(sizes) / len(sizes) - 40) < 4 * math.sqrt(40 * 0.9 / len(sizes))
+
+
+def test_refusals():
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=10)
+
+    def make(engine=None, model=None, **kwargs):
+        model = model or _mlp()
+        args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+                    noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+        args.update(kwargs)
+        return (engine or PrivacyEngine(accountant="rdp")).make_private(**args)
+
+    with pytest.raises(ValueError, match="noise_generator is refused"):
+        make(noise_generator=torch.Generator())
+    with pytest.raises(ValueError, match="poisson_sampling=False is refused"):
+        make(poisson_sampling=False)
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        make(clipping="adaptive")
+    with pytest.raises(ValueError, match="not yet available through PrivacyEngine"):
+        make(variant="clipless")
+    with pytest.raises(ValueError, match="accounted by PLD only"):
+        make(variant="jl")
+    with pytest.raises(ValueError, match="secure_mode refuses reproducible_seed"):
+        make(engine=PrivacyEngine(accountant="rdp", secure_mode=True), reproducible_seed=3)
+    with pytest.raises(UnsupportedLayerError, match="BatchNorm1d"):
+        make(model=nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)))
+    model = _mlp()
+    with pytest.raises(ValueError, match="delta=0.1 is >= 1/N"):
+        PrivacyEngine(accountant="rdp").make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+            target_epsilon=1.0, target_delta=0.1, epochs=1, max_grad_norm=1.0)  # fmt: skip
+    model = _mlp()
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model[0].parameters(), lr=0.1), data_loader=loader,
+            noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+    with pytest.warns(UserWarning, match="PLD accountant"):
+        assert PrivacyEngine().accountant_mechanism == "pld"
+
+
+class _Centred(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _mlp()
+
+    def forward(self, x):
+        return self.inner(x - x.mean(0))  # one example moves every other's input
+
+
+def test_a_model_that_mixes_examples_is_refused_before_anything_is_released():
+    x, y = _data()
+    _, model, opt, _ = _private(_Centred(), x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UnsupportedLayerError, match="one example"):
+        _step(model, opt, x[:6], y[:6])
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert opt.accountant.steps == 0
+
+
+def test_leave_one_out_change_of_the_noiseless_release_is_within_c_for_adversarial_examples():
+    """The bound through the front door: noiseless (sigma 0) releases of a batch with and without one adversarial
+    example (huge, cancelling at large magnitude) differ by at most C / b, in each reduction."""
+    clip = 0.5
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(8, 6, generator=gen)
+    labels = torch.randint(0, 3, (8,), generator=gen)
+    for attack in (1e6 * base[0], torch.zeros(6), 3e5 * torch.ones(6)):
+        x = base.clone()
+        x[0] = attack
+        updates = []
+        for rows in (slice(0, 8), slice(1, 8)):
+            _, model, opt, _ = _private(_mlp(), base, labels, batch_size=8, noise_multiplier=0.0, max_grad_norm=clip)
+            before = [p.detach().clone() for p in model.parameters()]
+            _step(model, opt, x[rows], labels[rows])
+            updates.append(torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters(),
+                                                                                  strict=True)]))  # fmt: skip
+        change = (updates[0] - updates[1]).norm().item() * 8  # times the expected batch size
+        assert change <= clip * (1 + 1e-5), (attack[:2], change)
+
+
+def test_virtual_steps_accumulate_and_release_once():
+    """signal_skip_step (Opacus' BatchMemoryManager protocol): two physical batches, one release equal to the
+    unsplit batch's."""
+    x, y = _data()
+    _, model, opt, _ = _private(_mlp(), x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.signal_skip_step(True)
+    _step(model, opt, x[:5], y[:5])
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)) and opt.steps_taken == 0
+    _step(model, opt, x[5:9], y[5:9])
+    _, whole, whole_opt, _ = _private(_mlp(), x, y)
+    _step(whole, whole_opt, x[:9], y[:9])
+    for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert trainable_parameters(model._module)
