@@ -211,5 +211,3 @@ class DPOptimizer(Optimizer):
             self.accountant.step(*event, projections=self.projections)
         self.steps_taken += 1
         return loss
-
-

@@ -131,8 +131,10 @@ class PrivacyEngine:
             raise ValueError(f"grad_sample_mode must be one of {', '.join(GRAD_SAMPLE_MODES)} (fastdp ignores it: "
                              f"its own one-backward path is used), got {grad_sample_mode!r}")  # fmt: skip
         if clipping not in CLIPPINGS:
-            raise ValueError(f"clipping must be one of {', '.join(CLIPPINGS)}, got {clipping!r} (adaptive "
-                             "clipping is not offered: its threshold is a private quantity with its own accounting)")  # fmt: skip
+            raise ValueError(
+                f"clipping must be one of {', '.join(CLIPPINGS)}, got {clipping!r} (adaptive clipping is not "
+                "offered: its threshold is a private quantity with its own accounting)"
+            )
         per_layer = clipping == "per_layer"
         if per_layer == isinstance(max_grad_norm, (int, float)):
             raise ValueError(
