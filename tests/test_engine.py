@@ -314,3 +314,35 @@ def test_virtual_steps_accumulate_and_release_once():
     for p, q in zip(model.parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert trainable_parameters(model._module)
+
+
+def test_the_readme_quick_start_runs():
+    """The README's front-door example, as printed there."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"## Quick start.*?```python\n(.*?)```", text, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the documented example itself
+    assert 0 < namespace["engine"].get_epsilon(1e-5) <= 3.0
+
+
+def test_the_batch_memory_manager_gives_the_update_of_the_unsplit_logical_batch():
+    from fastdp.engine import BatchMemoryManager
+
+    x, y = _data(n=60)
+    _, model, opt, loader = _private(_mlp(), x, y, batch_size=30)
+    _, whole, whole_opt, _ = _private(_mlp(), x, y, batch_size=30)
+    batch = next(iter(loader))
+    loader_once = [batch]
+    with BatchMemoryManager(data_loader=loader_once, max_physical_batch_size=7, optimizer=opt) as batches:
+        chunks = 0
+        for xb, yb in batches:
+            assert len(xb) <= 7
+            chunks += 1
+            _step(model, opt, xb, yb)
+    _step(whole, whole_opt, *batch)
+    assert chunks == max(1, -(-len(batch[0]) // 7)) and opt.steps_taken == 1 and opt.accountant.steps == 1
+    for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -5,9 +5,9 @@ Layers: ``data`` (Poisson loader), ``module`` (the model's recording wrapper), `
 clipped sums and the noise, the front door only wires the user's loop to them.
 """
 
-from fastdp.engine.data import DPDataLoader
+from fastdp.engine.data import BatchMemoryManager, DPDataLoader
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
 from fastdp.engine.privacy_engine import PrivacyEngine
 
-__all__ = ["DPDataLoader", "DPOptimizer", "PrivacyEngine", "PrivateModule"]
+__all__ = ["BatchMemoryManager", "DPDataLoader", "DPOptimizer", "PrivacyEngine", "PrivateModule"]

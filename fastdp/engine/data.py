@@ -114,3 +114,67 @@ class DPDataLoader(DataLoader):
                       persistent_workers=data_loader.persistent_workers)  # fmt: skip
         return cls(data_loader.dataset, min(1.0, batch_size / n), len(data_loader), data_loader.collate_fn,
                    reproducible_seed, **kwargs)  # fmt: skip
+
+
+def _rows(batch, start: int, stop: int):
+    """Rows ``start:stop`` of a collated batch (every tensor and every per-example list cut the same way)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, dict):
+        return type(batch)({k: _rows(v, start, stop) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_rows(v, start, stop) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        if batch and all(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
+            return type(batch)(_rows(v, start, stop) for v in batch)
+        return type(batch)(batch[start:stop])
+    return batch
+
+
+def _num_rows(batch) -> int:
+    from fastdp.engine.module import batch_size_of
+
+    n = batch_size_of((batch,), {})
+    if n is None:
+        raise ValueError("a batch without a batch-first tensor cannot be split into physical batches")
+    return n
+
+
+class BatchMemoryManager:
+    """Opacus' ``BatchMemoryManager``: iterate a private loader's logical (Poisson) batches as physical batches of at
+    most ``max_physical_batch_size`` examples. Every physical batch but a logical batch's last tells the optimizer to
+    skip its step (``signal_skip_step``): the clipped sums accumulate and the last step releases the logical batch
+    once, with one accounting event. An empty logical batch is one (empty) physical batch.
+
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=64, optimizer=optimizer) as batches:
+            for x, y in batches:
+                ...  # the ordinary loop
+    """
+
+    def __init__(self, *, data_loader, max_physical_batch_size: int, optimizer) -> None:
+        if (
+            isinstance(max_physical_batch_size, bool)
+            or not isinstance(max_physical_batch_size, int)
+            or (max_physical_batch_size < 1)
+        ):
+            raise ValueError(f"max_physical_batch_size must be an integer >= 1, got {max_physical_batch_size!r}")
+        if not hasattr(optimizer, "signal_skip_step"):
+            raise ValueError("BatchMemoryManager needs the optimizer make_private returned (a DPOptimizer)")
+        self.data_loader, self.size, self.optimizer = data_loader, max_physical_batch_size, optimizer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.optimizer.signal_skip_step(False)
+
+    def __len__(self) -> int:
+        return len(self.data_loader)
+
+    def __iter__(self):
+        for batch in self.data_loader:
+            n = _num_rows(batch)
+            starts = list(range(0, n, self.size)) or [0]
+            for k, start in enumerate(starts):
+                self.optimizer.signal_skip_step(k < len(starts) - 1)
+                yield _rows(batch, start, start + self.size) if n else batch
