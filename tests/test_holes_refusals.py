@@ -9,6 +9,7 @@ beyond its claimed bound, and their refusals (rows of docs/bad-inputs.md, "Model
 
 Each test first measures, below the refusal, that the bound would break, then checks the refusal."""
 
+import importlib
 import math
 
 import pytest
@@ -88,7 +89,7 @@ def _eval_batch_statistics_model(features: int = 30, classes: int = 2) -> nn.Mod
 def test_eval_mode_batch_statistics_break_dpsgd_bound_without_the_refusal(monkeypatch):
     """The hole, measured: with the predicate switched off, DP-SGD's clipped sum (C = 1) moves by more than 2 C when
     one example is removed (every other example's normalised activations, hence gradient, change)."""
-    monkeypatch.setattr(dpnn, "mixes_examples", lambda module: False)
+    monkeypatch.setattr(importlib.import_module("fastdp.nn.validate"), "mixes_examples", lambda module: False)
     model = dpnn.convert(_eval_batch_statistics_model(6).double())
     torch.manual_seed(1)
     x, y = torch.randn(16, 6, dtype=torch.float64), torch.randint(0, 2, (16,))

@@ -13,7 +13,8 @@ No per-example gradient is formed: one ordinary backward of the summed loss.
 
 Each bound is for one use of the layer: a layer called k times in one forward (``lin(lin(x))``), or a parameter
 shared by two layers (tied weights), gets the sum of k clipped terms, up to k C1 C2. Both are refused
-(:func:`refuse_reused_layers` after each step's forward, :func:`check_backprop_supported`).
+(:func:`refuse_reused_layers` after each step's forward, :func:`check_backprop_supported`; both live in
+:mod:`fastdp.nn.validate` with the other refusals and are re-exported here).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import math
 import torch
 from torch import nn
 
-from fastdp.nn import UnsupportedLayerError, batch_statistics_layers, refuse_batch_statistics
 from fastdp.nn.clip import clip_gradient, clip_rows
+from fastdp.nn.validate import check_backprop_supported, refuse_reused_layers  # the refusals, shared (re-exported)
 
 __all__ = ["BackpropClipConv2d", "BackpropClipLinear", "check_backprop_supported", "convert_backprop",
            "parameter_sensitivities", "refuse_reused_layers", "reset_calls"]  # fmt: skip
@@ -94,63 +95,11 @@ def convert_backprop(model: nn.Module, input_clip: float, grad_clip: float) -> n
     return model
 
 
-def check_backprop_supported(model: nn.Module) -> None:
-    """Raise :class:`fastdp.nn.UnsupportedLayerError` naming every module that breaks the per-example bounds of a
-    converted model: trainable modules that are not backprop-clip layers (nothing clips their gradient), and layers
-    with batch statistics in training mode (one example changes the others' activations and gradients, so clipping
-    each example's input and upstream gradient bounds nothing). A walk over the modules; BackpropClip calls it every
-    step (train/eval mode and ``requires_grad`` can change after the conversion)."""
-    bad = [
-        f"{name or '<model>'} ({type(m).__name__})"
-        for name, m in model.named_modules()
-        if not isinstance(m, _BackpropClip) and any(p.requires_grad for p in m.parameters(recurse=False))
-    ]
-    if bad:
-        raise UnsupportedLayerError(
-            "backprop clipping supports trainable Linear and Conv2d layers only; freeze or replace: " + ", ".join(bad)
-        )
-    owners: dict[int, str] = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, _BackpropClip):
-            continue
-        for p in m.parameters(recurse=False):
-            if not p.requires_grad:
-                continue
-            if id(p) in owners:
-                raise UnsupportedLayerError(
-                    f"a trainable parameter is shared by {owners[id(p)]} and {name or '<model>'} (tied weights): "
-                    "backprop clipping credits it with one layer's per-example bound (C1 C2), but its gradient sums "
-                    "both layers' clipped terms (up to 2 C1 C2). Untie the weights (one Parameter per layer), freeze "
-                    "them, or use DPSGD(mode='reference')"
-                )
-            owners[id(p)] = name or "<model>"
-    refuse_batch_statistics(
-        batch_statistics_layers(model), "backprop clipping bounds each example's own input and upstream gradient, but "
-    )
-
-
 def reset_calls(model: nn.Module) -> None:
     """Zero the call count of every backprop-clip layer of ``model`` (before a step's forward)."""
     for m in model.modules():
         if isinstance(m, _BackpropClip):
             m.calls = 0
-
-
-def refuse_reused_layers(model: nn.Module) -> None:
-    """Raise :class:`fastdp.nn.UnsupportedLayerError` naming every backprop-clip layer with trainable parameters that
-    was called more than once since :func:`reset_calls` (after a step's forward): its weight gradient sums k clipped
-    terms g_j x_j^T, up to k C1 C2, while its sensitivity credits one. Frozen layers may be reused (no bound is
-    credited to them; the other layers clip their own inputs and upstream gradients)."""
-    reused = [f"{name or '<model>'} ({type(m).__name__}, {m.calls} calls)" for name, m in model.named_modules()
-              if isinstance(m, _BackpropClip) and m.calls > 1
-              and any(p.requires_grad for p in m.parameters(recurse=False))]  # fmt: skip
-    if reused:
-        raise UnsupportedLayerError(
-            "backprop clipping credits each layer's parameters with one per-example bound (C1 C2), but these layers "
-            "were called more than once in one forward, so their gradient sums the calls' clipped terms (up to k C1 "
-            "C2 for k calls): " + ", ".join(reused) + ". Use a separate layer (its own Parameters) for each call, "
-            "freeze them, or use DPSGD(mode='reference')"
-        )
 
 
 def parameter_sensitivities(model: nn.Module) -> dict[nn.Parameter, float]:
