@@ -14,6 +14,7 @@ amplification, disjoint batches) is reported alongside for comparison by :meth:`
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -73,7 +74,7 @@ class BackpropClip(Variant):
         self.expected_batch_size = self.sample_rate * num_examples
         self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
         self.tensors = 0
-        self._prepared: set[int] = set()
+        self._prepared: weakref.WeakSet = weakref.WeakSet()  # models converted (by identity; a freed id can recur)
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> BackpropClip:
@@ -82,9 +83,9 @@ class BackpropClip(Variant):
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Convert the model's layers to backprop-clip layers once per model (in place)."""
-        if id(model) not in self._prepared:
+        if model not in self._prepared:
             convert_backprop(model, self.input_clip, self.grad_clip)
-            self._prepared.add(id(model))
+            self._prepared.add(model)
 
     def row_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The clipping layers: each clips its input rows (C1) and output-gradient rows (C2) one example per row."""

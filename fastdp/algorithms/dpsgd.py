@@ -56,6 +56,7 @@ record, checkpoint, result or epsilon), as for the other variants.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -361,7 +362,7 @@ class DPSGD(Variant):
         self.expected_batch_size = self.sample_rate * num_examples
         self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
         self.mode = mode
-        self._prepared: set[int] = set()
+        self._prepared: weakref.WeakSet = weakref.WeakSet()  # models converted (by identity; a freed id can recur)
         self.nonfinite_examples: torch.Tensor | int = 0  # bf16/fp16: real examples left out as not finite, so far
 
     @classmethod
@@ -370,9 +371,9 @@ class DPSGD(Variant):
 
     def prepare(self, model: torch.nn.Module) -> None:
         """Ghost mode: convert torch layers to DP layers once per model (in place; parameters are kept)."""
-        if self.mode == "ghost" and id(model) not in self._prepared:
+        if self.mode == "ghost" and model not in self._prepared:
             convert(model)
-            self._prepared.add(id(model))
+            self._prepared.add(model)
 
     def row_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """Ghost mode: every DP layer's input rows are normed and clipped per example (reference mode: torch.func

@@ -49,6 +49,7 @@ projections and the sum read the same forward.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -188,7 +189,7 @@ class JL(Variant):
         self.chunk = chunk
         # the smallest Z the accountant credits (sigma = 0, noiseless: the bins' quantile without a tail cut)
         self.z_floor = jl_z_floor(projections, self.noise_multiplier if self.noise_multiplier > 0 else math.inf)
-        self._prepared: set[int] = set()
+        self._prepared: weakref.WeakSet = weakref.WeakSet()  # models converted (by identity; a freed id can recur)
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> JL:
@@ -201,9 +202,9 @@ class JL(Variant):
 
     def prepare(self, model: nn.Module) -> None:
         """Convert torch layers to DP layers once per model (in place; parameters are kept), as DP-SGD's ghost mode."""
-        if id(model) not in self._prepared:
+        if model not in self._prepared:
             convert(model)
-            self._prepared.add(id(model))
+            self._prepared.add(model)
 
     def row_layers(self, model: nn.Module) -> list[nn.Module]:
         """Every DP layer's input rows are projected and summed per example."""
