@@ -10,7 +10,7 @@ import sys
 
 from fastdp.algorithms import VARIANTS
 from fastdp.privacy.accounting import MECHANISMS
-from fastdp.train.data import DATASETS
+from fastdp.train.data import DATASETS, FILE_FORMATS, STANDARDIZE
 from fastdp.train.distributed import launch, launched_by_torchrun, process_group
 from fastdp.train.models import MODELS
 from fastdp.train.trainer import TrainConfig, train
@@ -32,11 +32,29 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "backpropagation clipping (inputs to C1, upstream gradients to C2); nonprivate = "
                         "plain SGD, for comparison (default: %(default)s)")  # fmt: skip
     datasets = "; ".join(f"{name}: {text}" for name, text in DATASETS.items())
-    g.add_argument("--dataset", default=d.dataset, choices=sorted(DATASETS),
-                   help=f"data set (default: %(default)s); {datasets}")  # fmt: skip
+    g.add_argument("--dataset", default=None, choices=sorted(DATASETS),
+                   help=f"a bundled data set (default: {d.dataset}); {datasets}")  # fmt: skip
     g.add_argument("--data-dir", default=None,
                    help="folder with the data files (adbench/, uci/, mnist/); default: $FASTDP_DATA_DIR or "
                         "../shared/data beside the source tree")  # fmt: skip
+    g.add_argument("--data", default=None, metavar="FILE",
+                   help=f"train on your own data file instead of --dataset: {', '.join(FILE_FORMATS)} (CSV/TSV and "
+                        "Parquet with a header row, every column but --target a numeric feature; .npz with arrays x "
+                        "[rows, features] or images [rows, (C,) H, W] and y); same split, seed and checks as the "
+                        "bundled sets (docs/data.md)")  # fmt: skip
+    g.add_argument("--target", default=None, metavar="COLUMN",
+                   help="--data CSV/TSV/Parquet: the label column (integer classes 0..K-1, or other integers or "
+                        "strings, mapped to classes in sorted order)")  # fmt: skip
+    g.add_argument("--standardize", default=d.standardize, choices=STANDARDIZE,
+                   help="the features' standardisation, fitted on the training split: dp = mean and std estimated "
+                        "with the Gaussian mechanism, paid for in epsilon (included in the reported epsilon); off = "
+                        "none (images: pixels in [0, 1], a public constant); exact = the training split's mean and std "
+                        "without noise, non-private runs only. auto: dp for private tabular runs, off for private "
+                        "image runs, exact for nonprivate (default: %(default)s)")  # fmt: skip
+    g.add_argument("--standardize-noise", type=float, default=None, metavar="SIGMA",
+                   help="dp: the standardisation's noise multiplier (noise std / add-remove sensitivity of its "
+                        "releases together); default: the larger of the steps' noise multiplier and the one at which "
+                        "its estimates' noise std is 5%% of each feature's clip range (docs/data.md)")  # fmt: skip
     g.add_argument("--model", default=d.model, choices=sorted(MODELS),
                    help="model (default: %(default)s = cnn for images, mlp otherwise)")  # fmt: skip
     g.add_argument("--hidden", type=int, default=d.hidden, help="hidden width of the MLP (default: %(default)s)")
@@ -140,8 +158,13 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
+    if args.data is not None and args.dataset is not None:
+        raise ValueError("give a bundled data set (--dataset) or your own file (--data FILE), not both")
     fields = TrainConfig.__dataclass_fields__
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    settings = {k: v for k, v in vars(args).items() if k in fields}
+    if settings["dataset"] is None:
+        del settings["dataset"]  # TrainConfig's default
+    return TrainConfig(**settings)
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -177,7 +200,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         result = train(config)
     print(json.dumps({k: result[k] for k in ("variant", "dataset", "epsilon", "delta", "privacy_randomness",
                                              "test_accuracy", "test_auroc", "steps", "train_seconds")}))  # fmt: skip
-    for key in ("note", "note_epsilon"):
+    for key in ("note", "note_epsilon", "note_labels"):
         if key in result:
             print(f"note: {result[key]}", file=sys.stderr)
     if result.get("privacy_randomness") and "NOT FOR RELEASE" in result["privacy_randomness"]:

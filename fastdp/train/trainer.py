@@ -11,6 +11,12 @@ Privacy randomness (``docs/privacy-randomness.md``): by default every privacy dr
 (noise, Poisson sampling, JL tangents) comes from OS entropy; ``reproducible_privacy_seed``
 keys them reproducibly, and the result labels such a run NOT FOR RELEASE. ``seed`` fixes
 only the train/test split and the initial weights (not privacy draws).
+
+Data (``docs/data.md``): a bundled data set (``dataset``) or the user's file (``data``, ``target``), split as
+``fastdp.train.data`` does, kept as it is (``Trainer.data``); every batch, and the test split for evaluation, goes
+through the run's standardisation. A private run pays for it in epsilon (``standardize="dp"``: a Gaussian-mechanism
+estimate whose releases the run's accountant records and composes with the steps) or has none (``"off"``); only a
+non-private run may fit it exactly.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fastdp.algorithms import VARIANTS, Batch, Variant
@@ -37,7 +45,23 @@ from fastdp.privacy.sampling import (
     pad_batch,
     physical_batch_size,
 )
-from fastdp.train.data import Dataset, load_dataset
+from fastdp.train.data import (
+    STANDARDIZE,
+    STANDARDIZE_PRECISION,
+    Dataset,
+    RawSplit,
+    Standardisation,
+    dp_noised_coordinates,
+    fastdp_noise,
+    file_format,
+    fit_dp,
+    fit_exact,
+    fit_off,
+    load_file,
+    load_raw,
+    precision_noise_multiplier,
+    release_noise_multipliers,
+)
 from fastdp.train.distributed import DataParallel, software_fingerprint, tensor_digest
 from fastdp.train.models import build_model
 
@@ -59,6 +83,12 @@ class TrainConfig:
     variant: str = "dpsgd"
     dataset: str = "breast_cancer"
     data_dir: str | None = None
+    data: str | None = None  # the user's data file (CSV/TSV, Parquet, .npz), instead of ``dataset``
+    target: str | None = None  # its label column (CSV/TSV, Parquet)
+    # auto: dp for private tabular runs, off for private image runs, exact for non-private runs (docs/data.md)
+    standardize: str = "auto"
+    # dp: its noise multiplier (default: Trainer._default_standardize_noise, from the steps' and the data's size)
+    standardize_noise: float | None = None
     model: str = "auto"
     hidden: int = 64
     epochs: int = 10
@@ -113,6 +143,7 @@ class TrainConfig:
             raise ValueError(f"learning rate must be finite and > 0 in float32 (the parameters' dtype), got {self.lr}")
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose sgd or adam")
+        self._validate_data()
         if VARIANTS[self.variant].private and self.epsilon is None and self.noise_multiplier is None:
             raise ValueError(
                 f"variant {self.variant!r} is private: give --epsilon (the noise is calibrated to reach it) "
@@ -150,6 +181,78 @@ class TrainConfig:
                 "experiment and needs --reproducible-privacy-seed N (its result is then labelled NOT FOR RELEASE); "
                 "for a model to release, drop --shuffle"
             )
+
+    def _validate_data(self) -> None:
+        """The data file and the standardisation: refused before anything is read or released."""
+        if self.data is not None:
+            file_format(self.data)
+            if not Path(self.data).expanduser().is_file():
+                raise FileNotFoundError(f"data file {self.data} does not exist (or is not a file); check the path "
+                                        "given to --data")  # fmt: skip
+        elif self.target is not None:
+            raise ValueError("--target names the label column of a data file: give the file with --data FILE")
+        if self.standardize not in STANDARDIZE:
+            raise ValueError(f"unknown standardisation {self.standardize!r}; choose one of {', '.join(STANDARDIZE)}")
+        private = VARIANTS[self.variant].private
+        if private and self.standardize == "exact":
+            raise ValueError(
+                "--standardize exact fits the mean and std of the training split without noise: the model would "
+                "then depend on every training example outside the accounted epsilon. A private run takes "
+                "--standardize dp (a Gaussian-mechanism estimate, paid for in epsilon) or off (no standardisation); "
+                "exact is for --variant nonprivate"
+            )
+        noise = self.standardize_noise
+        if noise is not None and (isinstance(noise, bool) or not isinstance(noise, numbers.Real)
+                                  or not (math.isfinite(noise) and noise > 0)):  # fmt: skip
+            raise ValueError(f"--standardize-noise must be a finite noise multiplier > 0, got {noise!r}")
+
+
+class RunAccountant(PrivacyAccountant):
+    """The run's accountant: the training steps, as :class:`PrivacyAccountant` records them (``steps``, ``history``),
+    and the releases of the data's preprocessing (``preprocessing``: the noise multipliers of full-batch Gaussian
+    mechanisms, each the event ``(sigma, q=1, 1 step)``). :meth:`get_epsilon` composes both: every epsilon the run
+    reports includes the preprocessing; :meth:`training_epsilon` is the steps' alone."""
+
+    def __init__(self, mechanism: str = "rdp") -> None:
+        super().__init__(mechanism)
+        self.preprocessing: list[float] = []
+        self._composed: dict[tuple, float] = {}
+
+    def record_preprocessing(self, noise_multiplier: float) -> None:
+        """Record one full-batch Gaussian release of add/remove sensitivity Delta with noise std sigma * Delta."""
+        PrivacyAccountant(self.mechanism).step(noise_multiplier, 1.0, 1)  # its checks
+        self.preprocessing.append(float(noise_multiplier))
+        self._composed = {}
+
+    def training_epsilon(self, delta: float) -> float:
+        return super().get_epsilon(delta)
+
+    def get_epsilon(self, delta: float) -> float:
+        if not self.preprocessing:
+            return super().get_epsilon(delta)
+        state = super().state_dict()
+        key = (tuple(self.preprocessing), json.dumps(state["history"]), delta)
+        if key not in self._composed:
+            composed = PrivacyAccountant(self.mechanism)
+            composed.load_state_dict({**state, "history": [[s, 1.0, 1] for s in self.preprocessing] + state["history"]})
+            self._composed = {key: composed.get_epsilon(delta)}
+        return self._composed[key]
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "preprocessing": list(self.preprocessing)}
+
+    def load_state_dict(self, state: dict) -> None:
+        preprocessing = state.get("preprocessing", []) if isinstance(state, dict) else []
+        if not isinstance(preprocessing, list):
+            raise ValueError(f"corrupt accountant state: preprocessing must be a list, got {preprocessing!r}")
+        for sigma in preprocessing:
+            try:
+                PrivacyAccountant(self.mechanism).step(sigma, 1.0, 1)
+            except ValueError as err:
+                raise ValueError(f"corrupt accountant state: preprocessing {preprocessing!r}: {err}") from None
+        super().load_state_dict(state)
+        self.preprocessing = [float(s) for s in preprocessing]
+        self._composed = {}
 
 
 def _log(config: TrainConfig, message: str) -> None:
@@ -189,6 +292,69 @@ def evaluate(model: torch.nn.Module, data: Dataset, device: torch.device) -> dic
     return metrics
 
 
+def _solve_sigma(eps, goal: float, base: float, low_enough: float, what: str, limit: float = 1e4) -> float:
+    """The smallest-ish sigma with ``low_enough <= eps(sigma) <= goal``, for ``eps`` decreasing in sigma from
+    infinity to ``base < goal``: bracket by doubling or halving from 1, then Illinois regula falsi on
+    log(eps - base) against log(sigma) (close to a power law), with bisection where that is not finite. If epsilon
+    jumps over the window, the smallest sigma found within ``goal`` is returned."""
+
+    def gap(e: float) -> float | None:
+        return math.log((e - base) / (goal - base)) if base < e < math.inf else None
+
+    sigma, e = 1.0, eps(1.0)
+    if e <= goal:
+        hi, eps_hi, lo, eps_lo = sigma, e, 0.0, math.inf
+        while eps_hi < low_enough and hi > 1e-6:  # smaller sigmas until one spends more than the goal
+            e = eps(hi / 2)
+            if e > goal:
+                lo, eps_lo = hi / 2, e
+                break
+            hi, eps_hi = hi / 2, e
+        if eps_hi >= low_enough or lo == 0.0:
+            return hi
+    else:
+        lo, eps_lo = sigma, e
+        while True:
+            sigma = min(2 * sigma, limit)
+            e = eps(sigma)
+            if e <= goal:
+                hi, eps_hi = sigma, e
+                break
+            if sigma >= limit:
+                raise ValueError(f"unreachable: {what} would have to exceed {limit:g} for epsilon {goal:.4g} "
+                                 f"(it gives {e:.4g}); use a larger epsilon, fewer steps or a smaller sample "
+                                 "rate")  # fmt: skip
+            lo, eps_lo = sigma, e
+        if eps_hi >= low_enough:
+            return hi
+    gap_lo, gap_hi, kept, bisect = gap(eps_lo), gap(eps_hi), 0, False
+    for _ in range(100):
+        width = hi - lo
+        if width <= 1e-7 * hi:
+            break
+        if not bisect and gap_lo is not None and gap_hi is not None and gap_lo > gap_hi:
+            x_lo, x_hi = math.log(lo), math.log(hi)
+            mid = math.exp(x_hi - gap_hi * (x_hi - x_lo) / (gap_hi - gap_lo))
+            mid = min(max(mid, lo + 1e-3 * width), hi - 1e-3 * width)
+        else:
+            mid = 0.5 * (lo + hi)
+        e = eps(mid)
+        if e <= goal:
+            hi, eps_hi, gap_hi = mid, e, gap(e)
+            if e >= low_enough:
+                break
+            if kept == -1 and gap_lo is not None:
+                gap_lo /= 2
+            kept = -1
+        else:
+            lo, gap_lo = mid, gap(e)
+            if kept == 1 and gap_hi is not None:
+                gap_hi /= 2
+            kept = 1
+        bisect = not bisect and hi - lo > 0.5 * width
+    return hi
+
+
 class Trainer:
     """Runs one :class:`TrainConfig`; :meth:`run` returns the result dict (also written as JSON)."""
 
@@ -202,15 +368,21 @@ class Trainer:
         # privacy draw uses). Neither is a privacy draw: the guarantee holds for every split and initialisation, as
         # they do not depend on the training examples (docs/privacy-randomness.md).
         torch.manual_seed(config.seed)
-        self.data = load_dataset(config.dataset, config.data_dir, seed=config.seed)
+        if config.data is not None:
+            self.raw: RawSplit = load_file(config.data, config.target, seed=config.seed)
+        else:
+            self.raw = load_raw(config.dataset, config.data_dir, seed=config.seed)
+        # the seeded split as it is (images: float32 pixels in [0, 1]); batches are standardised as they are drawn
+        self.data = self._raw_dataset(self.raw)
         n = self.data.x_train.shape[0]
         if config.batch_size > n:
-            raise ValueError(f"batch size {config.batch_size} exceeds the {n} training examples of {config.dataset}")
+            raise ValueError(f"batch size {config.batch_size} exceeds the {n} training examples of {self.raw.name}")
         self.private = VARIANTS[config.variant].private
+        self.standardize = self._standardize_mode()
         if self.private and config.delta >= 1 / n and not config.allow_large_delta:
             raise ValueError(
                 f"delta={config.delta:g} is >= 1/N = 1/{n} = {1 / n:.3g} for the {n} training examples of "
-                f"{config.dataset}: publishing one training example chosen at random, verbatim, is (0, 1/N)-DP, so a "
+                f"{self.raw.name}: publishing one training example chosen at random, verbatim, is (0, 1/N)-DP, so a "
                 f"delta this large permits releasing an example outright. Use a delta well below 1/N (e.g. 1e-5, or "
                 f"1/(10 N) = {0.1 / n:.3g}), or pass --allow-large-delta (allow_large_delta=True) if you know why you "
                 "need it (e.g. to compare with a paper that used delta = 1/N)"
@@ -234,16 +406,25 @@ class Trainer:
         else:
             self.sampler = PoissonSampler(n, config.batch_size / n, reproducible_seed=privacy_seed)
         self.total_steps = config.epochs * len(self.sampler)
-        self.accountant = PrivacyAccountant(config.accountant)
+        self.accountant = RunAccountant(config.accountant)
         self.projections = VARIANTS[config.variant].accounting_projections(config)
         self.num_coordinates = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.physical = physical_batch_size(n, self.sampler.sample_rate) if config.pad else None
         if self.distributed is not None:
             self._join_process_group()
         self.sigma_from_checkpoint = False  # a resumed calibrated run keeps the sigma its checkpoint was run with
-        self.noise_multiplier = self._noise_multiplier()
+        saved = self._checkpoint_plan() if config.resume else None
+        # sigma of the steps, and of the standardisation (dp; None otherwise)
+        self.noise_multiplier, self.standardize_noise = self._noise_multipliers(saved)
         self.variant = self._make_variant()  # checks sigma
         self._check_truncation()
+        # the standardisation's releases (dp), recorded with the steps: every epsilon reported includes them
+        self.standardisation = self._fit_standardisation(saved)
+        if self.private:
+            for sigma in self.standardisation.noise_multipliers:
+                self.accountant.record_preprocessing(sigma)
+        self._transform = self._batch_transform(self.standardisation)
+        self.test_data = self._standardised_test_split()  # what evaluate() sees
         self.variant.set_precision(config.precision, config.loss_scale)
         if config.compile is not None:
             self.variant.compile(config.compile, config.compile_backend)
@@ -257,6 +438,8 @@ class Trainer:
         start from rank 0's weights, share OS-entropy samples, pad per-rank shards, and let rank 0 alone log."""
         d = self.distributed
         settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in _PER_RANK_FIELDS}
+        # the split as read: this check comes before the standardisation's release (a collective of its own, rank 0's
+        # sent to every rank), so ranks started with other settings or data stop here
         settings["data"] = tensor_digest([self.data.x_train, self.data.y_train, self.data.x_test, self.data.y_test])
         settings.update(software_fingerprint(self.device.type))
         d.check_same_run(settings)
@@ -275,44 +458,227 @@ class Trainer:
         """Whether this process logs and writes results and checkpoints (rank 0, or the only process)."""
         return self.distributed is None or self.distributed.is_main
 
-    def _noise_multiplier(self) -> float | None:
-        """sigma: given, or (resume of a calibrated run) the checkpoint's, or calibrated to the target epsilon over
-        all planned steps at delta minus the truncation bound (``truncation_delta``)."""
+    # ------------------------------------------------------------------------- data and standardisation
+
+    @staticmethod
+    def _raw_dataset(raw: RawSplit) -> Dataset:
+        """The seeded split as read (tabular float64, images float32 pixels in [0, 1]), checked by Dataset."""
+        dtype = torch.float32 if raw.image else torch.float64
+        return Dataset(
+            name=raw.name,
+            x_train=torch.from_numpy(raw.x_train).to(dtype),
+            y_train=torch.from_numpy(raw.y_train),
+            x_test=torch.from_numpy(raw.x_test).to(dtype),
+            y_test=torch.from_numpy(raw.y_test),
+            num_classes=raw.num_classes,
+            input_shape=raw.input_shape,
+            task="binary" if raw.num_classes == 2 else "multiclass",
+            source=raw.source,
+        )
+
+    def _standardize_mode(self) -> str:
+        """``auto`` resolved: dp for private tabular runs, off for private image runs (pixels in [0, 1]: a public
+        constant transform), exact for non-private runs."""
+        mode = self.config.standardize
+        if mode == "auto":
+            mode = ("off" if self.raw.image else "dp") if self.private else "exact"
+        return mode
+
+    def _release_sigmas(self, standardize_noise: float | None) -> list[float]:
+        """The noise multipliers of the standardisation's releases (none without dp)."""
+        return [] if standardize_noise is None else release_noise_multipliers(self.raw.image, standardize_noise)
+
+    def _planned_epsilon(self, sigma: float | None, steps: int, standardize_noise: float | None, delta: float) -> float:
+        """Epsilon of the standardisation's releases (at ``standardize_noise``) and ``steps`` steps at ``sigma``."""
+        probe = RunAccountant(self.config.accountant)
+        for release in self._release_sigmas(standardize_noise):
+            probe.record_preprocessing(release)
+        if sigma is not None and steps > 0:
+            probe.step(sigma, self.sampler.sample_rate, steps, projections=self.projections)
+        return probe.get_epsilon(delta)
+
+    def _preprocessing_truncation(self, standardize_noise: float | None) -> float:
+        """``truncation_delta`` of the standardisation's releases (each one release of its own coordinates)."""
+        if not self.private or standardize_noise is None:
+            return 0.0
+        coordinates = dp_noised_coordinates(self.raw)
+        releases = self._release_sigmas(standardize_noise)
+        return min(1.0, sum(truncation_delta(s, 1, c) for s, c in zip(releases, coordinates, strict=True)))
+
+    def _default_standardize_noise(self, sigma: float | None) -> float:
+        """The standardisation's noise multiplier when none is given: the larger of the one at which its estimates
+        have a noise std of ``STANDARDIZE_PRECISION`` of each feature's clip range (more noise would make them
+        useless, less is not needed: ``precision_noise_multiplier``) and the steps' own ``sigma`` (so that its
+        releases together cost no more than one full-batch step of training). A function of sigma and the data's
+        size alone, not of the number of steps: a run resumed with more epochs goes on as the longer run would."""
+        needed = precision_noise_multiplier(len(self.raw.y_train), self.raw.input_shape, self.raw.image)
+        valid = isinstance(sigma, numbers.Real) and not isinstance(sigma, bool) and 0 <= sigma < math.inf
+        return max(needed, float(sigma)) if valid else needed  # an invalid sigma: the variant refuses it
+
+    def _noise_multipliers(self, saved: dict | None) -> tuple[float | None, float | None]:
+        """(sigma of the steps, sigma of the standardisation: dp only, else None).
+
+        Each is given (``noise_multiplier``, ``standardize_noise``), or (resume) the checkpoint's, or: the
+        standardisation's from the steps' (:meth:`_default_standardize_noise`); the steps' calibrated to the target
+        epsilon over all planned steps composed with the standardisation's releases, at delta minus the truncation
+        bound (``truncation_delta``)."""
         config = self.config
+        dp = self.standardize == "dp"
+        given = config.standardize_noise if dp else None
         if not self.private:
-            return None
-        if config.noise_multiplier is not None:
-            return config.noise_multiplier
-        if config.resume:
-            saved = self._checkpoint_noise_multiplier()
-            if saved is not None:  # keep the run's noise; epsilon then grows with the extra steps (reported)
-                self.sigma_from_checkpoint = True
-                return saved
+            return None, (None if not dp else given if given is not None else self._default_standardize_noise(None))
+        sigma = config.noise_multiplier
+        if saved is not None:
+            if sigma is None and saved["noise_multiplier"] is not None:
+                # keep the run's noise; epsilon then grows with the extra steps (reported)
+                sigma, self.sigma_from_checkpoint = saved["noise_multiplier"], True
+            if dp and given is None and saved["standardize_noise"] is not None:
+                given = saved["standardize_noise"]  # the checkpoint's standardisation is the one its model learned on
+
+        def standardize_noise(steps_sigma: float | None) -> float | None:
+            if not dp:
+                return None
+            return given if given is not None else self._default_standardize_noise(steps_sigma)
+
+        if sigma is not None:
+            self._check_preprocessing_fits(standardize_noise(sigma))
+            return sigma, standardize_noise(sigma)
+        steps = self.total_steps
 
         def calibrate(delta: float) -> float:
-            return get_noise_multiplier(config.epsilon, delta, self.sampler.sample_rate, self.total_steps,
-                                        accountant=config.accountant, projections=self.projections)  # fmt: skip
+            if not dp:
+                return get_noise_multiplier(config.epsilon, delta, self.sampler.sample_rate, steps,
+                                            accountant=config.accountant, projections=self.projections)  # fmt: skip
+            # as sigma grows, the epsilon of the steps goes to 0 and that of the releases to theirs at `given`, or 0
+            base = 0.0
+            if given is not None:
+                self._check_preprocessing_fits(given)
+                base = self._planned_epsilon(None, 0, given, delta)
+            return _solve_sigma(
+                lambda s: self._planned_epsilon(s, steps, standardize_noise(s), delta),
+                config.epsilon,
+                base,
+                low_enough=0.99 * config.epsilon,
+                what="the noise multiplier of the steps",
+            )
 
         sigma = calibrate(config.delta)
-        spent = self._truncation(sigma, self.total_steps)
+        spent = self._truncation(sigma, steps) + self._preprocessing_truncation(standardize_noise(sigma))
         if 0 < spent <= config.delta / 100 and config.delta - spent < config.delta:
             sigma = calibrate(config.delta - spent)  # a larger sigma: its truncation bound is smaller still
-        return sigma
+        return sigma, standardize_noise(sigma)
 
-    def _checkpoint_noise_multiplier(self) -> float | None:
-        """The sigma recorded in the checkpoint to resume, or None where it cannot be read (``run`` then refuses
-        the file with the reason)."""
+    def _check_preprocessing_fits(self, standardize_noise: float | None) -> None:
+        """Refuse a target epsilon that the standardisation's releases alone exceed."""
+        target = self.config.epsilon
+        if target is None or standardize_noise is None:
+            return
+        alone = self._planned_epsilon(None, 0, standardize_noise, self.config.delta)
+        if alone >= target:
+            raise ValueError(
+                f"the standardisation alone (--standardize dp at noise multiplier {standardize_noise:.4g}) spends "
+                f"epsilon {alone:.4g}, not below the target epsilon {target:g}: give it more noise (a larger "
+                "--standardize-noise), or --standardize off"
+            )
 
-        def read() -> float | None:  # data-parallel: on rank 0 only, the one that reads checkpoints
+    def _checkpoint_plan(self) -> dict | None:
+        """The sigmas and the standardisation recorded in the checkpoint to resume, or None where it cannot be read
+        (``run`` then refuses the file with the reason)."""
+
+        def read() -> dict | None:  # data-parallel: on rank 0 only, the one that reads checkpoints
             try:
                 state = torch.load(self.config.checkpoint, map_location="cpu", weights_only=True)
-                sigma = state["identity"]["noise_multiplier"]
+                identity = state["identity"]
             except Exception:  # noqa: BLE001 - any failure (no file included): the full check in run() names it
                 return None
-            ok = isinstance(sigma, float) and math.isfinite(sigma) and sigma >= 0
-            return sigma if ok else None
+
+            def sigma(key: str) -> float | None:
+                value = identity.get(key)
+                return value if isinstance(value, float) and math.isfinite(value) and value >= 0 else None
+
+            standardization = state.get("standardization")
+            return {"noise_multiplier": sigma("noise_multiplier"), "standardize_noise": sigma("standardize_noise"),
+                    "standardization": standardization if isinstance(standardization, dict) else None}  # fmt: skip
 
         return read() if self.distributed is None else self.distributed.from_main(read)
+
+    def _fit_standardisation(self, saved: dict | None) -> Standardisation:
+        """The run's standardisation: off, exact, or dp (released here: on rank 0 and sent, data-parallel; a resumed
+        run takes its checkpoint's instead, releasing nothing new)."""
+        raw = self.raw
+        if self.standardize == "off":
+            return fit_off(raw.image)
+        if self.standardize == "exact":
+            return fit_exact(raw.x_train, raw.image)
+        if saved is not None and saved["standardization"] is not None:
+            restored = self._restored_standardisation(saved["standardization"])
+            if restored is not None:
+                return restored
+        seed = self.config.reproducible_privacy_seed
+        # its own key (a different Philox key from the steps' noise), counter = the release index
+        noise = fastdp_noise(None if seed is None else (seed * 0x9E3779B97F4A7C15 + 2) % 2**63)
+
+        def fit() -> Standardisation:
+            return fit_dp(raw.x_train, raw.image, self.standardize_noise, noise)
+
+        return fit() if self.distributed is None else self.distributed.from_main(fit)
+
+    def _restored_standardisation(self, state: dict) -> Standardisation | None:
+        """A checkpoint's dp standardisation, if it is one for this data and noise (None otherwise: fitted anew, and
+        the checkpoint then refused by the full check)."""
+        try:
+            restored = Standardisation.from_state_dict(state)
+        except (KeyError, TypeError, ValueError):
+            return None
+        shape = () if self.raw.image else (self.raw.x_train.shape[1],)
+        arrays = [restored.mean, restored.std] + ([] if self.raw.image else [restored.bound])
+        ok = (
+            restored.mode == "dp"
+            and restored.image == self.raw.image
+            and all(a is not None and a.shape == shape and np.isfinite(a).all() and (a > 0).all() for a in arrays[1:])
+            and restored.mean is not None and restored.mean.shape == shape and np.isfinite(restored.mean).all()
+            and list(restored.noise_multipliers) == self._release_sigmas(self.standardize_noise)
+        )  # fmt: skip
+        return restored if ok else None
+
+    def _batch_transform(self, standardisation: Standardisation):
+        """``x -> (clip(x, -bound, bound) - mean) / std`` in float64, as float32 (the numpy transform of
+        ``Standardisation.apply``, on the batch)."""
+        if standardisation.mode == "off":
+            return lambda x: x.to(torch.float32)
+        mean = torch.as_tensor(standardisation.mean, dtype=torch.float64)
+        std = torch.as_tensor(standardisation.std, dtype=torch.float64)
+        bound = None if standardisation.bound is None else torch.as_tensor(standardisation.bound, dtype=torch.float64)
+
+        def transform(x: torch.Tensor) -> torch.Tensor:
+            x = x.to(torch.float64)
+            if bound is not None:
+                x = torch.clamp(x, min=-bound, max=bound)
+            return ((x - mean) / std).to(torch.float32)
+
+        return transform
+
+    def _standardised_test_split(self) -> Dataset:
+        """The data with the test split standardised (what evaluation sees), after checking that no standardised
+        row of either split leaves float32's range."""
+        limit = torch.finfo(torch.float32).max
+
+        def standardised(split: str, x: torch.Tensor) -> torch.Tensor:
+            parts = [self._transform(chunk) for chunk in x.split(4096)]
+            out = torch.cat(parts) if parts else x.to(torch.float32)
+            bad = ~torch.isfinite(out.reshape(len(out), -1)).all(1)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"{self.raw.name}: {int(bad.sum())} of the {len(out)} {split} rows have features beyond float32's "
+                    f"range ({limit:.3g}) after --standardize {self.standardisation.mode} (first: row "
+                    f"{int(torch.nonzero(bad)[0])}); scale them, or standardise them (--standardize dp)"
+                )
+            return out
+
+        standardised("training", self.data.x_train)
+        return dataclasses.replace(self.data, x_test=standardised("test", self.data.x_test))
+
+    # ------------------------------------------------------------------------------ privacy
 
     def _truncation(self, sigma: float | None, steps: int) -> float:
         """``truncation_delta`` of ``steps`` steps at ``sigma`` for this run's model (0 for a non-private run, and
@@ -322,9 +688,10 @@ class Trainer:
         return truncation_delta(sigma, steps, self.num_coordinates, self.projections)
 
     def delta_truncation(self, steps: int | None = None) -> float:
-        """The mass of outputs impossible without an example, over ``steps`` steps (default: the steps taken), at
-        this run's sigma: part of delta (``docs/privacy-randomness.md``)."""
-        return self._truncation(self.noise_multiplier, self.step if steps is None else steps)
+        """The mass of outputs impossible without an example, over ``steps`` steps (default: the steps taken) and the
+        standardisation's releases, at this run's sigmas: part of delta (``docs/privacy-randomness.md``)."""
+        steps = self.step if steps is None else steps
+        return self._truncation(self.noise_multiplier, steps) + self._preprocessing_truncation(self.standardize_noise)
 
     def _check_truncation(self) -> None:
         """Refuse, before training, a run whose bounded noise alone could spend more than delta / 100."""
@@ -332,11 +699,14 @@ class Trainer:
         limit = self.config.delta / 100
         if spent > limit:
             more = ", more --projections" if math.isfinite(self.projections) else ""
+            pre = self._preprocessing_truncation(self.standardize_noise)
+            also = (f" ({pre:.3g} of it from the standardisation's releases at noise multiplier "
+                    f"{self.standardize_noise:.4g}: a larger --standardize-noise)") if pre > 0 else ""  # fmt: skip
             raise ValueError(
                 f"noise multiplier {self.noise_multiplier:.4g} is too small for {self.total_steps} steps: fastdp's "
                 f"noise is bounded (a sum of 4 Box-Muller draws, at most 13.54 std per pair of coordinates), and "
                 f"the probability that some step's output is impossible without one example is bounded only by "
-                f"{spent:.3g} here ({self.num_coordinates} noised coordinates), above delta/100 = {limit:.3g} "
+                f"{spent:.3g} here ({self.num_coordinates} noised coordinates), above delta/100 = {limit:.3g}{also} "
                 f"(docs/privacy-randomness.md). Use a larger noise multiplier (a smaller --epsilon or a larger "
                 f"--batch-size){more} or fewer steps (--epochs)"
             )
@@ -379,7 +749,7 @@ class Trainer:
         return self.distributed.gradient(self.variant, self.model, batch, self.step, os_entropy=os_entropy)
 
     def _rows(self, indices: torch.Tensor, mask: torch.Tensor) -> Batch:
-        x = self.data.x_train[indices].to(self.device)
+        x = self._transform(self.data.x_train[indices]).to(self.device)
         y = self.data.y_train[indices].to(self.device)
         return Batch(x, y, mask.to(self.device))
 
@@ -391,16 +761,19 @@ class Trainer:
 
     def _step_budget(self) -> int:
         """Steps allowed in total: all planned ones, or (sigma and a target epsilon both given) the most whose
-        epsilon stays within the target."""
+        epsilon, with the standardisation's releases, stays within the target."""
         target = self.config.epsilon
         if not self.private or target is None or self.config.noise_multiplier is None:
             return self.total_steps
-        sigma, q = self.variant.privacy_event()
+        return self._max_steps(self.noise_multiplier, target, self.standardize_noise,
+                               lambda steps: self.config.delta - self.delta_truncation(steps))  # fmt: skip
+
+    def _max_steps(self, sigma: float, target: float, standardize_noise: float | None, delta) -> int:
+        """The most steps (up to all planned) at ``sigma`` whose epsilon, with the standardisation's releases at
+        ``standardize_noise``, stays within ``target``; ``delta(steps)`` is the delta to report at."""
 
         def eps(steps: int) -> float:
-            probe = PrivacyAccountant(self.config.accountant)
-            probe.step(sigma, q, steps, projections=self.projections)
-            return probe.get_epsilon(self.config.delta - self.delta_truncation(steps))
+            return self._planned_epsilon(sigma, steps, standardize_noise, delta(steps))
 
         if eps(self.total_steps) <= target:
             return self.total_steps
@@ -464,7 +837,7 @@ class Trainer:
                 "train_loss": loss_sum.item() / max(examples, 1),
                 "epsilon": self.epsilon(),
                 "steps_per_second": len(self.sampler) / seconds if seconds > 0 else math.inf,
-                **evaluate(self.model, self.data, self.device),
+                **evaluate(self.model, self.test_data, self.device),
             }
             self.history.append(record)
             _log(config, self._format(record))
@@ -490,9 +863,12 @@ class Trainer:
         c = self.config
         n = self.data.x_train.shape[0]
         text = (
-            f"fastdp train: {c.variant} on {c.dataset} ({n} train / {self.data.x_test.shape[0]} test), "
-            f"model {c.model}, {c.epochs} epochs x {len(self.sampler)} steps, expected batch {c.batch_size}"
+            f"fastdp train: {c.variant} on {self.raw.name} ({n} train / {self.data.x_test.shape[0]} test), "
+            f"model {c.model}, {c.epochs} epochs x {len(self.sampler)} steps, expected batch {c.batch_size}, "
+            f"standardisation {self.standardize}"
         )
+        if self.standardize_noise is not None:
+            text += f" (sigma={self.standardize_noise:.4f})"
         if self.private:
             text += (
                 f", C={c.clip_norm}, sigma={self.noise_multiplier:.4f}, q={self.sampler.sample_rate:.5f}, "
@@ -517,11 +893,13 @@ class Trainer:
 
     def result(self, stopped_early: bool = False) -> dict:
         c = self.config
-        final = self.history[-1] if self.history else evaluate(self.model, self.data, self.device)
+        final = self.history[-1] if self.history else evaluate(self.model, self.test_data, self.device)
         result = {
             "variant": c.variant,
-            "dataset": c.dataset,
+            "dataset": self.raw.name,
             "data_source": self.data.source,
+            "data_file": self.raw.provenance,
+            "standardization": self._standardization_record(),
             "epsilon": self.epsilon(),
             "delta": c.delta if self.private else None,
             "delta_truncation": self.delta_truncation() if self.private else None,
@@ -556,6 +934,8 @@ class Trainer:
                 "noise, Poisson sampling and JL tangents drawn from OS entropy (the run is not replayable); the "
                 "train/test split and the initial weights are seeded by --seed, as they are not privacy draws"
             )
+        if self.raw.notes:
+            result["note_labels"] = "; ".join(self.raw.notes)
         if self.private and c.epsilon is not None and result["epsilon"] > c.epsilon:
             result["note_epsilon"] = (
                 f"epsilon spent {result['epsilon']:.4g} exceeds the target {c.epsilon:g}: the run was resumed past "
@@ -563,13 +943,43 @@ class Trainer:
             )
         return result
 
+    def _standardization_record(self) -> dict:
+        """What the result says of the standardisation: its mode, statistics and (private runs) its share of epsilon:
+        ``epsilon`` = the run's epsilon less the steps' alone (both at the run's delta), ``epsilon_alone`` = its
+        releases' epsilon on their own."""
+        c, std = self.config, self.standardisation
+        record = {
+            "mode": std.mode,
+            "requested": c.standardize,
+            "description": std.describe(),
+            "noise_multiplier": self.standardize_noise,
+            "noise_multiplier_rule": None,
+            "epsilon": None,
+            "epsilon_alone": None,
+            **{k: v for k, v in std.state_dict().items() if k not in ("mode", "image")},
+        }
+        if std.mode == "dp" and c.standardize_noise is None:
+            needed = precision_noise_multiplier(len(self.raw.y_train), self.raw.input_shape, self.raw.image)
+            sigma = self.noise_multiplier
+            steps = "" if sigma is None else f"the steps' noise multiplier {sigma:.4g}, "
+            record["noise_multiplier_rule"] = (f"the larger of {steps}and {needed:.4g}, at which the estimates' noise "
+                                               f"std is {STANDARDIZE_PRECISION} of each clip range")  # fmt: skip
+        if self.private:
+            delta = c.delta - self.delta_truncation()
+            record["epsilon"] = 0.0
+            record["epsilon_alone"] = 0.0
+            if self.accountant.preprocessing:
+                record["epsilon"] = self.epsilon() - self.accountant.training_epsilon(delta)
+                record["epsilon_alone"] = self._planned_epsilon(None, 0, self.standardize_noise, delta)
+        return record
+
     # ------------------------------------------------------------------------ checkpoints
 
     def _identity(self) -> dict:
         c = self.config
         identity = {
             "variant": c.variant,
-            "dataset": c.dataset,
+            "dataset": self.raw.name,
             "model": c.model,
             "hidden": c.hidden,
             "batch_size": c.batch_size,
@@ -580,7 +990,11 @@ class Trainer:
             "shuffle": isinstance(self.sampler, ShuffleSampler),
             "num_examples": self.data.x_train.shape[0],
             "sample_rate": self.sampler.sample_rate,
+            "standardize": self.standardize,  # the inputs the model learned on
+            "standardize_noise": self.standardize_noise,
         }
+        if self.raw.provenance is not None:  # a data file: the same bytes and label column
+            identity.update({"data_sha256": self.raw.provenance["sha256"], "target": c.target})
         if self.private:  # everything a resumed run's guarantee depends on must be the same
             identity.update({
                 "epsilon": c.epsilon,
@@ -619,6 +1033,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "history": self.history,
             "train_seconds": self.train_seconds,
+            "standardization": self.standardisation.state_dict(),
         }
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -684,9 +1099,12 @@ class Trainer:
             raise ValueError(
                 f"checkpoint {path} was written by a different run: " + "; ".join(differ) + ". Every setting its "
                 "privacy guarantee depends on (variant, noise multiplier, clip norms, projections, sample rate, "
-                "N, delta, accountant, precision, privacy randomness, ...) must stay the same on resume; resume "
-                "with the same settings (epochs may grow)"
+                "N, delta, accountant, precision, privacy randomness, standardisation, ...) must stay the same on "
+                "resume; resume with the same settings (epochs may grow)"
             )
+        if state.get("standardization") != self.standardisation.state_dict():
+            raise ValueError(f"checkpoint {path} is corrupt: its standardisation (the inputs its model learned on) is "
+                             "missing or not one this run can use")  # fmt: skip
         return state
 
 
