@@ -456,12 +456,15 @@ def test_standardisation_defaults(tmp_path):
     raw = nonprivate.raw
     exact = fit_exact(raw.x_train)
     torch.testing.assert_close(x, torch.from_numpy(exact.apply(raw.x_test)).float().double())
-    # images: a private run's default is the public [0, 1] scaling, no release
+    # images: dp too, one release of 2 sums (noise multiplier 0.05 N: estimates within 5% of the pixel range)
     np.savez(tmp_path / "i.npz", x=np.random.default_rng(0).integers(0, 256, (80, 8, 8), dtype=np.uint8),
              y=np.arange(80) % 2)  # fmt: skip
     images = Trainer(TrainConfig(variant="dpsgd", data=str(tmp_path / "i.npz"), noise_multiplier=1.0, **FAST))
-    assert images.standardize == "off" and images.accountant.preprocessing == []
-    assert float(images.test_data.x_test.min()) >= 0 and float(images.test_data.x_test.max()) <= 1
+    assert images.standardize == "dp" and images.accountant.preprocessing == [0.05 * 64]
+    off = Trainer(TrainConfig(variant="dpsgd", data=str(tmp_path / "i.npz"), noise_multiplier=1.0, standardize="off",
+                              **FAST))  # fmt: skip
+    assert off.accountant.preprocessing == [] and off.result()["standardization"]["epsilon"] == 0.0
+    assert float(off.test_data.x_test.min()) >= 0 and float(off.test_data.x_test.max()) <= 1  # pixels in [0, 1]
 
 
 def test_resume_with_another_standardisation_is_refused_and_the_same_one_releases_nothing_new(tmp_path, monkeypatch):

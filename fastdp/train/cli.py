@@ -49,8 +49,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the features' standardisation, fitted on the training split: dp = mean and std estimated "
                         "with the Gaussian mechanism, paid for in epsilon (included in the reported epsilon); off = "
                         "none (images: pixels in [0, 1], a public constant); exact = the training split's mean and std "
-                        "without noise, non-private runs only. auto: dp for private tabular runs, off for private "
-                        "image runs, exact for nonprivate (default: %(default)s)")  # fmt: skip
+                        "without noise, non-private runs only. auto: dp for private runs, exact for nonprivate "
+                        "(default: %(default)s)")  # fmt: skip
     g.add_argument("--standardize-noise", type=float, default=None, metavar="SIGMA",
                    help="dp: the standardisation's noise multiplier (noise std / add-remove sensitivity of its "
                         "releases together); default: the larger of the steps' noise multiplier and the one at which "

@@ -70,7 +70,7 @@ __all__ = [
     "split_and_standardise",
 ]
 
-# --standardize: auto = dp for private tabular runs, off for private image runs, exact for non-private runs
+# --standardize: auto = dp for private runs, exact for non-private runs
 STANDARDIZE = ("auto", "dp", "exact", "off")
 
 

@@ -85,7 +85,7 @@ class TrainConfig:
     data_dir: str | None = None
     data: str | None = None  # the user's data file (CSV/TSV, Parquet, .npz), instead of ``dataset``
     target: str | None = None  # its label column (CSV/TSV, Parquet)
-    # auto: dp for private tabular runs, off for private image runs, exact for non-private runs (docs/data.md)
+    # auto: dp for private runs, exact for non-private runs (docs/data.md)
     standardize: str = "auto"
     # dp: its noise multiplier (default: Trainer._default_standardize_noise, from the steps' and the data's size)
     standardize_noise: float | None = None
@@ -477,11 +477,11 @@ class Trainer:
         )
 
     def _standardize_mode(self) -> str:
-        """``auto`` resolved: dp for private tabular runs, off for private image runs (pixels in [0, 1]: a public
-        constant transform), exact for non-private runs."""
+        """``auto`` resolved: dp for private runs (tables and images: for images its one release costs almost nothing,
+        and standardised pixels train better than [0, 1] ones), exact for non-private runs."""
         mode = self.config.standardize
         if mode == "auto":
-            mode = ("off" if self.raw.image else "dp") if self.private else "exact"
+            mode = "dp" if self.private else "exact"
         return mode
 
     def _release_sigmas(self, standardize_noise: float | None) -> list[float]:
