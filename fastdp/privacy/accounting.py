@@ -54,6 +54,7 @@ __all__ = [
     "gdp_to_epsilon",
     "get_noise_multiplier",
     "per_layer_noise_multiplier",
+    "solve_noise_multiplier",
     "truncation_delta",
     "zcdp_rho",
     "zcdp_to_epsilon",
@@ -418,30 +419,49 @@ def get_noise_multiplier(
             f"(which gives epsilon={eps_at_max:.4g}); use fewer steps, a smaller sample rate, or a larger epsilon"
         )
 
-    low_enough = (1 - tol) * eps_target
-    aim = (1 - tol / 2) * eps_target  # middle of the accepted window, in log space close enough
+    return solve_noise_multiplier(epsilon, eps_target, (1 - tol) * eps_target, sigma_max=sigma_max,
+                                  unreachable=unreachable)  # fmt: skip
+
+
+def solve_noise_multiplier(
+    epsilon,
+    target: float,
+    low_enough: float,
+    base: float = 0.0,
+    sigma_max: float = 1e4,
+    unreachable=None,
+) -> float:
+    """The smallest-ish sigma with ``low_enough <= epsilon(sigma) <= target``, for ``epsilon`` decreasing in sigma
+    from infinity (sigma -> 0) to ``base < low_enough`` (sigma -> infinity; 0 for steps alone, the epsilon of fixed
+    releases composed with them otherwise). If epsilon jumps over the window, the smallest sigma found within the
+    target is returned. ``unreachable(epsilon at sigma_max)`` makes the error raised when even ``sigma_max`` does not
+    reach the target. The one calibration loop of fastdp (:func:`get_noise_multiplier`, the trainer)."""
+    aim = 0.5 * (low_enough + target)  # middle of the accepted window, in log space close enough
 
     def gap(eps: float) -> float | None:
-        """log(eps / aim): the root-finding residual, None where it is not finite."""
-        return math.log(eps / aim) if 0 < eps < math.inf else None
+        """log((eps - base) / (aim - base)): the root-finding residual, None where it is not finite."""
+        return math.log((eps - base) / (aim - base)) if base < eps < math.inf else None
 
     # Bracket [lo, hi] with eps(lo) > target >= eps(hi), doubling from sigma = 1 (lo = 0 means eps = inf).
     lo, gap_lo = 0.0, None
     sigma = min(1.0, sigma_max)
     while True:
         e = epsilon(sigma)
-        if e <= eps_target:
+        if e <= target:
             hi, eps_hi, gap_hi = sigma, e, gap(e)
             break
         if sigma >= sigma_max:
+            if unreachable is None:
+                raise ValueError(f"unreachable: epsilon {target:.4g} needs a noise multiplier above {sigma_max:g} "
+                                 f"(which gives {e:.4g})")  # fmt: skip
             raise unreachable(e)
         lo, gap_lo = sigma, gap(e)
         sigma = min(2 * sigma, sigma_max)
     if eps_hi >= low_enough:
         return hi
 
-    # Shrink the bracket: Illinois regula falsi on log(eps) against log(sigma) (epsilon is close to a power law
-    # in sigma), falling back to bisection where a residual is not finite. Stop once eps(hi) is in the window.
+    # Shrink the bracket: Illinois regula falsi on log(eps - base) against log(sigma) (close to a power law in
+    # sigma), falling back to bisection where a residual is not finite. Stop once eps(hi) is in the window.
     kept = 0  # +1: hi was kept on the last step, -1: lo was kept
     bisect = False  # after a step that did not halve the bracket, bisect once so the bracket always shrinks
     for _ in range(200):
@@ -456,7 +476,7 @@ def get_noise_multiplier(
         else:
             mid = 0.5 * (lo + hi)
         e = epsilon(mid)
-        if e <= eps_target:
+        if e <= target:
             hi, eps_hi, gap_hi = mid, e, gap(e)
             if e >= low_enough:
                 break

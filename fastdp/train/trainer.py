@@ -36,7 +36,13 @@ import torch
 
 from fastdp.algorithms import VARIANTS, Batch, Variant
 from fastdp.algorithms.base import check_compile, resolve_loss_scale
-from fastdp.privacy.accounting import MECHANISMS, PrivacyAccountant, get_noise_multiplier, truncation_delta
+from fastdp.privacy.accounting import (
+    MECHANISMS,
+    PrivacyAccountant,
+    get_noise_multiplier,
+    solve_noise_multiplier,
+    truncation_delta,
+)
 from fastdp.privacy.rng import OS_ENTROPY, REPRODUCIBLE, check_reproducible_seed
 from fastdp.privacy.sampling import (
     PoissonSampler,
@@ -292,69 +298,6 @@ def evaluate(model: torch.nn.Module, data: Dataset, device: torch.device) -> dic
     return metrics
 
 
-def _solve_sigma(eps, goal: float, base: float, low_enough: float, what: str, limit: float = 1e4) -> float:
-    """The smallest-ish sigma with ``low_enough <= eps(sigma) <= goal``, for ``eps`` decreasing in sigma from
-    infinity to ``base < goal``: bracket by doubling or halving from 1, then Illinois regula falsi on
-    log(eps - base) against log(sigma) (close to a power law), with bisection where that is not finite. If epsilon
-    jumps over the window, the smallest sigma found within ``goal`` is returned."""
-
-    def gap(e: float) -> float | None:
-        return math.log((e - base) / (goal - base)) if base < e < math.inf else None
-
-    sigma, e = 1.0, eps(1.0)
-    if e <= goal:
-        hi, eps_hi, lo, eps_lo = sigma, e, 0.0, math.inf
-        while eps_hi < low_enough and hi > 1e-6:  # smaller sigmas until one spends more than the goal
-            e = eps(hi / 2)
-            if e > goal:
-                lo, eps_lo = hi / 2, e
-                break
-            hi, eps_hi = hi / 2, e
-        if eps_hi >= low_enough or lo == 0.0:
-            return hi
-    else:
-        lo, eps_lo = sigma, e
-        while True:
-            sigma = min(2 * sigma, limit)
-            e = eps(sigma)
-            if e <= goal:
-                hi, eps_hi = sigma, e
-                break
-            if sigma >= limit:
-                raise ValueError(f"unreachable: {what} would have to exceed {limit:g} for epsilon {goal:.4g} "
-                                 f"(it gives {e:.4g}); use a larger epsilon, fewer steps or a smaller sample "
-                                 "rate")  # fmt: skip
-            lo, eps_lo = sigma, e
-        if eps_hi >= low_enough:
-            return hi
-    gap_lo, gap_hi, kept, bisect = gap(eps_lo), gap(eps_hi), 0, False
-    for _ in range(100):
-        width = hi - lo
-        if width <= 1e-7 * hi:
-            break
-        if not bisect and gap_lo is not None and gap_hi is not None and gap_lo > gap_hi:
-            x_lo, x_hi = math.log(lo), math.log(hi)
-            mid = math.exp(x_hi - gap_hi * (x_hi - x_lo) / (gap_hi - gap_lo))
-            mid = min(max(mid, lo + 1e-3 * width), hi - 1e-3 * width)
-        else:
-            mid = 0.5 * (lo + hi)
-        e = eps(mid)
-        if e <= goal:
-            hi, eps_hi, gap_hi = mid, e, gap(e)
-            if e >= low_enough:
-                break
-            if kept == -1 and gap_lo is not None:
-                gap_lo /= 2
-            kept = -1
-        else:
-            lo, gap_lo = mid, gap(e)
-            if kept == 1 and gap_hi is not None:
-                gap_hi /= 2
-            kept = 1
-        bisect = not bisect and hi - lo > 0.5 * width
-    return hi
-
-
 class Trainer:
     """Runs one :class:`TrainConfig`; :meth:`run` returns the result dict (also written as JSON)."""
 
@@ -554,12 +497,16 @@ class Trainer:
             if given is not None:
                 self._check_preprocessing_fits(given)
                 base = self._planned_epsilon(None, 0, given, delta)
-            return _solve_sigma(
+            return solve_noise_multiplier(
                 lambda s: self._planned_epsilon(s, steps, standardize_noise(s), delta),
                 config.epsilon,
-                base,
                 low_enough=0.99 * config.epsilon,
-                what="the noise multiplier of the steps",
+                base=base,
+                unreachable=lambda e: ValueError(
+                    f"unreachable: the noise multiplier of the steps would have to exceed 1e4 for epsilon "
+                    f"{config.epsilon:.4g} (it gives {e:.4g}); use a larger epsilon, fewer steps or a smaller "
+                    "sample rate"
+                ),
             )
 
         sigma = calibrate(config.delta)
