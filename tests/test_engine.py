@@ -346,3 +346,31 @@ def test_the_batch_memory_manager_gives_the_update_of_the_unsplit_logical_batch(
     assert chunks == max(1, -(-len(batch[0]) // 7)) and opt.steps_taken == 1 and opt.accountant.steps == 1
     for p, q in zip(model.parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mean_loss_under_autocast_is_refused_and_a_summed_one_trains():
+    """bf16 rounds the mean's 1/n into every example's output gradient, and n depends on every example: refused."""
+    x, y = _data()
+    _, model, opt, _ = _private(_mlp(), x, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x[:6])
+    nn.functional.cross_entropy(out.float(), y[:6]).backward()
+    with pytest.raises(ValueError, match="loss_reduction='mean' with a backward in torch.bfloat16"):
+        opt.step()
+    assert opt.accountant.steps == 0
+    _, model, opt, _ = _private(_mlp(), x, y, loss_reduction="sum")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x[:6])
+    nn.functional.cross_entropy(out.float(), y[:6], reduction="sum").backward()
+    opt.step()
+    assert opt.accountant.steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_learning_rate_scheduler_drives_the_private_optimizer():
+    x, y = _data()
+    _, model, opt, loader = _private(_mlp(), x, y, lr=0.8)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for xb, yb in loader:
+        _step(model, opt, xb, yb)
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.8 * 0.5 ** len(loader)) and opt.steps_taken == len(loader)

@@ -10,7 +10,7 @@ One step, for the batch B (Poisson-sampled with rate q from N examples), with g_
 
 How. One forward and one backward through fastdp's DP layers (``fastdp.nn``, as DP-SGD's ghost mode: plain torch
 layers are converted): each layer keeps its input A and output gradient G, and gives each example's projections
-``P_ij = <a_i^T g_i, v_j>`` (``DPLayer.per_example_projections``: the layer's per-example gradient formed in float64
+``P_ij = <a_i^T g_i, v_j>`` (each DP layer's ``per_example_projections``: its per-example gradient formed in float64
 for a chunk of examples at a time and projected, never kept; an Embedding gathers the tangents' rows by token
 instead); the re-weighted sum is then each layer's clipped sum of the same A and G with factors w_i (one GEMM). The
 paper computes P with r forward-mode jvp's and the sum with a second, re-weighted backward; fastdp departs from it
@@ -97,7 +97,7 @@ def jl_projections(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(P [B, r], err [B], allowance [B])``, float64, summed over the DP layers of ``run``: the projections of each
     example's gradient onto the step's r tangents (``chunk`` drawn at a time), the bound on their rounding (for every
-    j) and the bound on the clipped sum's rounding per unit weight (``DPLayer.per_example_projections``).
+    j) and the bound on the clipped sum's rounding per unit weight (each DP layer's ``per_example_projections``).
     ``caches``: one dict per layer call, filled for the layers' clipped sums."""
     b = run.grads_out[0].shape[0] if run.grads_out else 0
     device = run.losses.device

@@ -51,9 +51,11 @@ from fastdp.audit.setups import AuditCase
 from fastdp.nn.lipschitz import BoundedInput, GroupSort2, LipschitzLinear
 from fastdp.train.models import build_model
 
-VARIANTS = ("dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "backprop", "clipless", "weightclip")
+VARIANTS = ("dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "backprop", "clipless", "weightclip", "front-door",
+            "front-door-jl")  # fmt: skip
+FRONT_DOOR = {"front-door": "dpsgd", "front-door-jl": "jl"}  # through fastdp.PrivacyEngine: the user's own loop
 PRECISIONS = ("fp64", "fp32", "bf16", "param-bf16")
-AUTOCAST = ("dpsgd", "dpsgd-per-layer")  # the variants that train under bf16 autocast
+AUTOCAST = ("dpsgd", "dpsgd-per-layer", "front-door")  # the variants that train under bf16 autocast
 STATUSES = ("ok", "refused", "stopped", "violation", "open", "crash", "must-refuse")
 # Known holes, still open, that the fuzzer finds: (variant, precision, attack) -> what and where it is tracked. Their
 # violations are reported as "open" (listed with their ratios in every report) instead of failing the run; a
@@ -273,7 +275,10 @@ ARCHITECTURES = tuple(architectures())
 # with T == B, for the variants that norm, project or clip a layer's rows per example (the reference mode takes each
 # example's loss, which the view does not mix: measured instead); batch statistics in eval mode, for every one.
 # Low-precision parameters (precision "param-bf16") too, for every private variant.
-MUST_REFUSE = {"sequence-first": ("dpsgd", "dpsgd-per-layer", "jl", "backprop"), "batchnorm-eval": VARIANTS}
+MUST_REFUSE = {
+    "sequence-first": ("dpsgd", "dpsgd-per-layer", "jl", "backprop", *FRONT_DOOR),
+    "batchnorm-eval": VARIANTS,
+}
 
 
 # ----------------------------------------------------------------------------------------------------------- cases
@@ -359,6 +364,49 @@ def _batch(x: torch.Tensor, y: torch.Tensor) -> Batch:
     return Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool))
 
 
+class _Examples(torch.utils.data.Dataset):
+    """N examples the front door's loader is built from (its size and batch size only: the fuzzer feeds batches)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        raise IndexError("the fuzzer feeds its own batches")
+
+
+def _front_door_release(
+    kind: str, model: nn.Module, batch: Batch, expected_batch: int, n: int, sigma: float, autocast: bool
+) -> tuple[list[torch.Tensor], Variant, nn.Module]:
+    """One step of ``kind`` (:data:`FRONT_DOOR`) as a user runs it: ``PrivacyEngine.make_private`` on a copy of
+    ``model`` (reproducible key, SGD with lr 0 so ``p.grad`` is the release), forward, cross-entropy,
+    ``loss.backward()``, ``optimizer.step()``. fp32/fp64: the mean loss (``loss_reduction="mean"``, the default); under
+    bf16 autocast (``autocast``) the summed loss with ``loss_reduction="sum"`` (the mean is refused there), the noisy
+    sum divided by the expected batch size here. Returns the released mean gradients, the engine's variant (the
+    claim is read from it) and the converted copy."""
+    from fastdp.engine import PrivacyEngine
+
+    copied = copy.deepcopy(model)
+    loader = torch.utils.data.DataLoader(_Examples(n), batch_size=expected_batch)
+    variant = FRONT_DOOR[kind]
+    engine = PrivacyEngine(accountant="pld" if variant == "jl" else "rdp")
+    private, optimizer, _ = engine.make_private(
+        module=copied, optimizer=torch.optim.SGD(copied.parameters(), lr=0.0), data_loader=loader,
+        noise_multiplier=sigma, max_grad_norm=1.0, variant=variant, projections=4, reproducible_seed=KEY,
+        loss_reduction="sum" if autocast else "mean",
+    )  # fmt: skip
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = private(batch.x)
+    torch.nn.functional.cross_entropy(out.float(), batch.y, reduction="sum" if autocast else "mean").backward()
+    optimizer.step()
+    scale = 1.0 / expected_batch if autocast else 1.0
+    grads = [p.grad.detach().double() * scale for p in trainable_parameters(copied)]
+    return grads, optimizer.variant, copied
+
+
 def _release(variant: Variant, model: nn.Module, batch: Batch, step: int) -> list[torch.Tensor]:
     """The noiseless release of a copy of ``variant`` at ``step`` (each pair releases one step twice, on D and on D
     without the target: copies, so the reproducible key's one-release-per-step rule is kept by each)."""
@@ -389,14 +437,23 @@ def fuzz_case(case: FuzzCase, draw_architecture: Callable) -> Outcome:
     keep = torch.arange(case.rows) != position
     with_target, without = _batch(x, y), _batch(x[keep], y[keep])
     must_refuse = case.precision == "param-bf16" or case.variant in MUST_REFUSE.get(case.architecture, ())
+    step = 1
     try:
-        variant = _variant(case.variant, case.rows / 2, 4 * case.rows, model)
-        if case.precision == "bf16":
-            variant.set_precision("bf16")
-        variant.gradient(model, with_target, 0)  # converts layers, records what the claim is read from
-        claim = claim_of(variant, model)
-        full = _release(variant, model, with_target, 1)
-        less = _release(variant, model, without, 1)
+        if case.variant in FRONT_DOOR:  # the same batches through PrivacyEngine and the user's loop
+            args = (case.rows // 2, 4 * case.rows)
+            _front_door_release(case.variant, model, with_target, *args, 1.0, case.precision == "bf16")
+            full, variant, model = _front_door_release(case.variant, model, with_target, *args, 0.0,
+                                                       case.precision == "bf16")  # fmt: skip
+            less, _, _ = _front_door_release(case.variant, model, without, *args, 0.0, case.precision == "bf16")
+            claim, step = claim_of(variant, model), 0
+        else:
+            variant = _variant(case.variant, case.rows / 2, 4 * case.rows, model)
+            if case.precision == "bf16":
+                variant.set_precision("bf16")
+            variant.gradient(model, with_target, 0)  # converts layers, records what the claim is read from
+            claim = claim_of(variant, model)
+            full = _release(variant, model, with_target, 1)
+            less = _release(variant, model, without, 1)
     except (ValueError, TypeError) as error:
         return Outcome(case, "refused", detail=f"{type(error).__name__}: {error}"[:300])
     except Exception as error:  # noqa: BLE001 - anything else is not a clear error: reported as a crash
@@ -413,7 +470,7 @@ def fuzz_case(case: FuzzCase, draw_architecture: Callable) -> Outcome:
     if isinstance(variant, JL):
         case_ = AuditCase(case.variant, variant, model, "")
         example = Batch(x[position : position + 1], y[position : position + 1], torch.ones(1, dtype=torch.bool))
-        ratio = _Auditor(case_, claim).jl_ratio(example, diff, 1) / (1 + RELATIVE_SLACK + rounding)
+        ratio = _Auditor(case_, claim).jl_ratio(example, diff, step) / (1 + RELATIVE_SLACK + rounding)
     else:
         slack = 1 + RELATIVE_SLACK + rounding
         ratio = max(math.sqrt(sum(float(diff[i].pow(2).sum()) for i in group)) / (delta * slack)

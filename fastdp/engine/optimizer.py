@@ -24,9 +24,16 @@ from torch.optim import Optimizer
 from fastdp.algorithms.base import Variant, sum_dtype, trainable_parameters
 from fastdp.algorithms.dpsgd import GhostBackward
 from fastdp.engine.module import PrivateModule, Recorded
+from fastdp.nn import check_supported
 from fastdp.nn.rows import RowProbe
 
 LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def _delegated(name: str) -> property:
+    """An attribute read from and written to the original optimizer."""
+    return property(lambda self: getattr(self.original_optimizer, name),
+                    lambda self, value: setattr(self.original_optimizer, name, value))  # fmt: skip
 
 
 class DPOptimizer(Optimizer):
@@ -65,29 +72,9 @@ class DPOptimizer(Optimizer):
         self._probe = RowProbe()
 
     # -- torch.optim.Optimizer surface: the original optimizer's
-    @property
-    def param_groups(self):
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.original_optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.original_optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.original_optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.original_optimizer.defaults = value
+    param_groups = _delegated("param_groups")
+    state = _delegated("state")
+    defaults = _delegated("defaults")
 
     def add_param_group(self, param_group: dict) -> None:
         raise ValueError("add a parameter group before make_private: the private step covers the parameters the "
@@ -133,6 +120,7 @@ class DPOptimizer(Optimizer):
         if records and all(r.grad is None for r in records):
             return None  # a training forward whose loss was never backpropagated contributes nothing
         model = self.module._module
+        check_supported(model)  # every step, as the variants: modes, modules and tied weights can change
         params = trainable_parameters(model)
         owned = {id(p) for r in records for p in r.layer.dp_parameters()}
         missing = [p for p in params if id(p) not in owned]
@@ -151,6 +139,15 @@ class DPOptimizer(Optimizer):
                     f"{type(r.layer).__name__} was called on a tensor whose first dimension ({tuple(r.shape)}) is not "
                     f"the batch ({n} examples): DP layers need batch-first inputs so each row belongs to one example"
                 )
+        low = sorted({str(r.grad.dtype) for r in records if r.grad is not None and r.grad.dtype.itemsize < 4})
+        if low and self.loss_reduction == "mean":
+            raise ValueError(
+                f"loss_reduction='mean' with a backward in {low[0]} (autocast) is refused: the mean's 1/n is rounded "
+                "into every example's output gradient in that precision, and n counts every example of the batch, so "
+                "adding or removing one example re-rounds all the others' gradients (by ~2^-8 each in bf16: beyond the "
+                "bound for batches of a few hundred). Sum the per-example losses and pass loss_reduction='sum' "
+                "(p.grad is then the noisy sum: divide the learning rate by the expected batch size), or train in fp32"
+            )
         scale = float(n) if self.loss_reduction == "mean" else 1.0
         grads = []
         for r in records:

@@ -89,11 +89,21 @@ def _mass(a: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     return rows.sum(1) * (1 + rounding_gamma(terms, torch.float64))
 
 
-def _projections(pieces_of, saved: tuple, grad_out: torch.Tensor, tangents: list[torch.Tensor], rows: int):
-    """(P, err, allowance) of :meth:`DPLayer.per_example_projections` from ``pieces_of(saved, G)`` -> one
-    ``(per-example gradient [b, ...] float64, mass [b], positions)`` per trainable parameter (see
-    ``fastdp.ops.certified_projections``), evaluated on ``rows`` examples at a time."""
+def _projections(
+    pieces_of, saved: tuple, grad_out: torch.Tensor, tangents: list[torch.Tensor], rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DP-SGD-JL's ``per_example_projections`` of a layer (every DP layer has one): ``(P [B, r], err [B],
+    allowance [B])``, float64. ``P_ij = <grad_i, v_j>`` over the layer's trainable parameters (``tangents``: one
+    [r, *p.shape] per ``dp_parameters()``), for ``grad_i`` the exact per-example gradient of the saved A and G;
+    ``|P_ij - computed| <= err_i`` for every j; ``allowance_i`` bounds how far the layer's clipped sum moves from
+    ``c_i grad_i`` per unit factor c_i, beyond its exact value.
+
+    ``pieces_of(saved, G)`` gives one ``(per-example gradient [b, ...] float64, mass [b], positions)`` per trainable
+    parameter (see ``fastdp.ops.certified_projections``), evaluated on ``rows`` examples at a time (default: as many
+    as keep the float64 per-example gradients within :data:`PROJECTION_CHUNK_ELEMENTS`); never kept."""
     b, r = grad_out.shape[0], tangents[0].shape[0]
+    if rows is None:
+        rows = max(1, PROJECTION_CHUNK_ELEMENTS // max(1, sum(t[0].numel() for t in tangents)))
     acc = _acc(grad_out)
     flat = [t.reshape(r, -1) for t in tangents]
     p = torch.zeros(b, r, dtype=torch.float64, device=grad_out.device)
@@ -160,23 +170,6 @@ class DPLayer:
         p = getattr(self, name)
         return None if p is None else p.detach()
 
-    def per_example_projections(
-        self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """DP-SGD-JL: ``(P [B, r], err [B], allowance [B])``, float64. ``P_ij = <grad_i, v_j>`` over the layer's
-        trainable parameters (``tangents``: one [r, *p.shape] per ``dp_parameters()``), for ``grad_i`` the exact
-        per-example gradient of the saved A and G; ``|P_ij - computed| <= err_i`` for every j; and
-        ``allowance_i`` bounds how far the layer's clipped sum (``clipped_grad_sums`` with this ``cache``) moves
-        from ``c_i grad_i`` per unit factor c_i, beyond its exact value. Per-example gradients are formed in float64
-        for a chunk of examples at a time (:data:`PROJECTION_CHUNK_ELEMENTS`), never kept."""
-        numel = sum(t[0].numel() for t in tangents)
-        return _projections(self._per_example64, saved, grad_out, tangents,
-                            max(1, PROJECTION_CHUNK_ELEMENTS // max(1, numel)))  # fmt: skip
-
-    def _per_example64(self, saved, grad_out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """One ``(per-example gradient [B, *p.shape] float64, mass [B], positions)`` per trainable parameter."""
-        raise NotImplementedError
-
 
 class Linear(nn.Linear, DPLayer):
     """``torch.nn.Linear``; inputs [B, d] or [B, ..., d] (sequence positions flattened into T)."""
@@ -215,10 +208,11 @@ class Linear(nn.Linear, DPLayer):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One position per example (T = 1): ``P_ij = g_i^T V_j a_i`` as one GEMM ``G [B, p] @ V [p, r d]`` per chunk
         of examples, no [p, d] per-example gradient (forming those moves B p d floats: 10x slower for an MLP);
-        ``err = gamma_{p + d + 2} max_j ||V_j|| |a_i| |g_i|``. Sequences: the per-example gradients (``DPLayer``)."""
+        ``err = gamma_{p + d + 2} max_j ||V_j|| |a_i| |g_i|``. Sequences: the per-example gradients
+        (:func:`_projections`)."""
         (a,) = saved
         if math.prod(a.shape[1:-1]) != 1 or not self.weight.requires_grad:
-            return super().per_example_projections(saved, grad_out, tangents, cache)
+            return _projections(self._per_example64, saved, grad_out, tangents)
         b, d, p = a.shape[0], a.shape[-1], grad_out.shape[-1]
         a2, g2 = a.reshape(b, d).to(torch.float64), grad_out.reshape(b, p).to(torch.float64)
         v = tangents[0].to(torch.float64)
@@ -369,6 +363,13 @@ class _ConvNd(DPLayer):
                 cache["bias"] = bias
             total += _rowsq(bias)
         return total
+
+    def per_example_projections(
+        self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections of the per-example weight gradients (patches x G, float64) and bias gradients
+        (:func:`_projections`)."""
+        return _projections(self._per_example64, saved, grad_out, tangents)
 
     def _per_example64(self, saved, grad_out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         (x,) = saved
