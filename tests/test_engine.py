@@ -237,8 +237,10 @@ def test_refusals():
         make(poisson_sampling=False)
     with pytest.raises(ValueError, match="clipping must be one of"):
         make(clipping="adaptive")
-    with pytest.raises(ValueError, match="not yet available through PrivacyEngine"):
+    with pytest.raises(ValueError, match="does not clip per-example gradients"):
         make(variant="clipless")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        make(variant="adaptive")
     with pytest.raises(ValueError, match="accounted by PLD only"):
         make(variant="jl")
     with pytest.raises(ValueError, match="secure_mode refuses reproducible_seed"):

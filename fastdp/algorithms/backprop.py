@@ -22,6 +22,7 @@ from fastdp.algorithms.base import (
     SUMMED_IN_LOW_PRECISION,
     Batch,
     Variant,
+    gradient_sums,
     per_example_cross_entropy,
     release_noisy_mean,
     summed_loss_gradients,
@@ -45,6 +46,7 @@ class BackpropClip(Variant):
 
     name = "backprop"
     private = True
+    front_door = "output"
     low_precision_refusal = (
         "its bounds are enforced inside the network (inputs clipped to C1, upstream gradients to C2), and the weight "
         "gradients are formed from them afterwards; " + SUMMED_IN_LOW_PRECISION
@@ -98,6 +100,20 @@ class BackpropClip(Variant):
         sums, loss = summed_loss_gradients(model, self.loss_fn, batch, self._forward)
         refuse_reused_layers(model)  # a layer called k times sums k clipped terms: k C1 C2, not the C1 C2 credited
         return sums, loss
+
+    def output_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The front door's forward, with the checks of :meth:`clipped_sum` (each layer called once)."""
+        self.prepare(model)
+        check_backprop_supported(model)
+        reset_calls(model)
+        output = model(*args, **kwargs)
+        refuse_reused_layers(model)
+        return output
+
+    def sums_of_output(self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+        """The front door's sums: one backward from the output gradient; the layers clip each example's inputs (C1)
+        and upstream gradients (C2) on the way, as in :meth:`clipped_sum`."""
+        return gradient_sums(trainable_parameters(model), output, grad)
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)

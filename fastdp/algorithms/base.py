@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from fastdp.nn.layers import own_trainable
 from fastdp.nn.rows import RowProbe
+from fastdp.nn.validate import check_parameter_dtypes
 from fastdp.ops import add_noise_
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 
@@ -49,9 +50,6 @@ SUMMED_IN_LOW_PRECISION = (
     "examples"
 )
 
-# Trainable-parameter dtypes a private variant accepts (Variant.check_parameters): with bf16/fp16 parameters the
-# model's whole forward and backward, and so each weight gradient summed over the batch, are in that dtype.
-PARAMETER_DTYPES = (torch.float32, torch.float64)
 # Why DP-SGD, whose bound survives autocast, still refuses low-precision parameters.
 LOW_PRECISION_PARAMETERS_DPSGD = (
     "its bf16/fp16 argument (set_precision) keeps fp32 parameters and runs only the forward under autocast, with the "
@@ -125,6 +123,11 @@ class Variant(abc.ABC):
     # Tensor attributes that clipped_sum assigns (running counts): copied out of the CUDA-graph memory pool after
     # a replay of a compiled clipped_sum (mode "reduce-overhead"), as its returned sums are.
     _graph_state: ClassVar[tuple[str, ...]] = ()
+    # How the front door (``fastdp.engine``) takes this variant's step from the user's own forward and backward:
+    # "ghost" (DP layers record each layer's input A and output gradient G: :meth:`sums_of_backward`), "output" (the
+    # gradient at the model's output is captured and backpropagated once through the model: :meth:`sums_of_output`),
+    # None (not through the front door).
+    front_door: ClassVar[str | None] = None
 
     def __init__(self, loss_fn=per_example_cross_entropy) -> None:
         self.loss_fn = loss_fn
@@ -177,27 +180,9 @@ class Variant(abc.ABC):
         Frozen (requires_grad=False) low-precision parameters are not refused: no gradient sum is formed for them;
         they round each example's own forward and backward, i.e. they change which per-example function is
         computed, as autocast's rounding does, without summing examples in low precision."""
-        if not self.private:
-            return
-        bad = [(name, p.dtype) for name, p in model.named_parameters()
-               if p.requires_grad and p.dtype not in PARAMETER_DTYPES]  # fmt: skip
-        if not bad:
-            return
-        shown = ", ".join(f"{name} ({str(dtype).removeprefix('torch.')})" for name, dtype in bad[:8])
-        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
-        reason = self.low_precision_refusal or LOW_PRECISION_PARAMETERS_DPSGD
-        advice = (
-            "use set_precision('bf16') (CLI --precision bf16) for mixed precision: autocast of the forward only"
-            if self.low_precision_refusal is None
-            else f"variant {self.name!r} trains in fp32 only (bf16/fp16 autocast, set_precision / --precision, is "
-            "available for dpsgd)"
-        )
-        raise ValueError(
-            f"variant {self.name!r} trains float32 or float64 parameters only, but these trainable parameters are in "
-            f"low precision: {shown}{more}. With bf16/fp16 parameters the model's forward and backward run in that "
-            f"dtype: {reason}. Keep the trainable parameters in float32 (do not cast the model with .half(), "
-            f".bfloat16() or .to(torch.bfloat16)); {advice}"
-        )
+        if self.private:
+            check_parameter_dtypes(model, self.name, self.low_precision_refusal or LOW_PRECISION_PARAMETERS_DPSGD,
+                                   autocast=self.low_precision_refusal is None)  # fmt: skip
 
     def _forward(self, model, x: torch.Tensor) -> torch.Tensor:
         """``model(x)`` (any callable of the input) under autocast to this variant's precision, the output cast to
@@ -230,6 +215,17 @@ class Variant(abc.ABC):
         clipped_sum = torch.compile(self.clipped_sum, mode=mode, backend=backend)
         release = torch.compile(self.release, mode=release_mode, backend=backend)
         self._compiled = (clipped_sum, release, cudagraphs)
+
+    def output_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The front door's training forward of an "output" variant (:attr:`front_door`): ``model(*args,
+        **kwargs)``, with whatever the variant enforces on it (an input bound, a count of layer calls)."""
+        return model(*args, **kwargs)
+
+    def sums_of_output(self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+        """The front door's sums of an "output" variant: the gradient of ``sum_i <output_i, grad_i>`` w.r.t. each
+        trainable parameter (one backward through the model's graph), ``grad`` row i being example i's loss
+        gradient w.r.t. its output row; what bounds each example's contribution is the variant's."""
+        raise ValueError(f"variant {self.name!r} does not take its step from the gradient at the model's output")
 
     def row_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """Modules whose input rows this variant processes one example per row (per-example norms or clipping);
@@ -378,13 +374,20 @@ def summed_loss_gradients(
     if batch.x.shape[0] == 0:
         return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
     losses = loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y) * batch.mask
-    grads = torch.autograd.grad(losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum(), params,
-                                allow_unused=True)  # fmt: skip
-    sums = [torch.zeros_like(p, dtype=sum_dtype(p)) if g is None else g.to(sum_dtype(p))
-            for p, g in zip(params, grads, strict=True)]  # fmt: skip
+    sums = gradient_sums(params, losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum())
     if loss_scale != 1.0:
         torch._foreach_div_(sums, loss_scale)
     return sums, losses.detach().sum()
+
+
+def gradient_sums(
+    params: list[torch.nn.Parameter], outputs: torch.Tensor, grad_outputs: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """The gradient of ``outputs`` (a scalar, or weighted by ``grad_outputs``) w.r.t. each of ``params`` in its
+    ``sum_dtype``, zero for parameters it does not reach: one ordinary backward."""
+    grads = torch.autograd.grad(outputs, params, grad_outputs, allow_unused=True)
+    return [torch.zeros_like(p, dtype=sum_dtype(p)) if g is None else g.to(sum_dtype(p))
+            for p, g in zip(params, grads, strict=True)]  # fmt: skip
 
 
 def release_noisy_mean(

@@ -25,6 +25,7 @@ from fastdp.algorithms.base import (
     SUMMED_IN_LOW_PRECISION,
     Batch,
     Variant,
+    gradient_sums,
     release_noisy_mean,
     summed_loss_gradients,
     trainable_parameters,
@@ -43,6 +44,7 @@ class Clipless(Variant):
 
     name = "clipless"
     private = True
+    front_door = "output"
     low_precision_refusal = (
         "its per-example bounds are analytic (Lipschitz constants and the input bound) on the exact gradient, with "
         "no per-example step that would absorb rounding; " + SUMMED_IN_LOW_PRECISION
@@ -121,6 +123,25 @@ class Clipless(Variant):
         with deferred_finite_checks():  # no host sync in the step; the trainer checks the weights every epoch
             stds = self.noise_stds(model)
         release_noisy_mean(trainable_parameters(model), sums, stds, self.expected_batch_size, self.keys, step)
+
+    def output_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The front door's forward: with ``input_bound`` X_0, the one input tensor projected onto the X_0 ball."""
+        if self.input_bound is None:
+            return model(*args, **kwargs)
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            raise ValueError(
+                f"variant {self.name!r} with input_bound projects the model's input onto the X_0 ball, so the model "
+                "must be called with one batch-first tensor; for other inputs start the model with "
+                "fastdp.nn.lipschitz.BoundedInput and drop input_bound"
+            )
+        return model(clip_rows(args[0], self.input_bound))
+
+    def sums_of_output(self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+        """The front door's sums: each example's gradient w.r.t. its output row clipped to the loss's Lipschitz
+        constant (a hair below, so that rounding cannot carry it above), which is what the bound rules credit the
+        loss with, whatever loss the user computed; then one backward through the model."""
+        bounded = clip_rows(grad, self.loss_fn.lipschitz * (1 - 2**-20))
+        return gradient_sums(trainable_parameters(model), output, bounded)
 
     def check_model(self, model: torch.nn.Module) -> None:
         """The Lipschitz bound rules (their refusal names every layer without one), before the row probe."""

@@ -333,6 +333,7 @@ class DPSGD(Variant):
 
     name = "dpsgd"
     private = True
+    front_door = "ghost"
     low_precision_refusal = None  # sound under bf16/fp16 autocast: see the module docstring
     _graph_state = ("nonfinite_examples",)
 

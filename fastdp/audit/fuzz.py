@@ -51,9 +51,10 @@ from fastdp.audit.setups import AuditCase
 from fastdp.nn.lipschitz import BoundedInput, GroupSort2, LipschitzLinear
 from fastdp.train.models import build_model
 
-VARIANTS = ("dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "backprop", "clipless", "weightclip", "front-door",
-            "front-door-jl")  # fmt: skip
-FRONT_DOOR = {"front-door": "dpsgd", "front-door-jl": "jl"}  # through fastdp.PrivacyEngine: the user's own loop
+# through fastdp.PrivacyEngine, the user's own loop: front-door kind -> the variant behind it
+FRONT_DOOR = {"front-door": "dpsgd", "front-door-jl": "jl", "front-door-backprop": "backprop",
+              "front-door-clipless": "clipless", "front-door-weightclip": "weightclip"}  # fmt: skip
+VARIANTS = ("dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "backprop", "clipless", "weightclip", *FRONT_DOOR)
 PRECISIONS = ("fp64", "fp32", "bf16", "param-bf16")
 AUTOCAST = ("dpsgd", "dpsgd-per-layer", "front-door")  # the variants that train under bf16 autocast
 STATUSES = ("ok", "refused", "stopped", "violation", "open", "crash", "must-refuse")
@@ -392,10 +393,12 @@ def _front_door_release(
     loader = torch.utils.data.DataLoader(_Examples(n), batch_size=expected_batch)
     variant = FRONT_DOOR[kind]
     engine = PrivacyEngine(accountant="pld" if variant == "jl" else "rdp")
+    bounds = {"dpsgd": {"max_grad_norm": 1.0}, "jl": {"max_grad_norm": 1.0, "projections": 4},
+              "backprop": {"input_clip": 1.0, "grad_clip": 1.0}}.get(variant, {})  # fmt: skip
     private, optimizer, _ = engine.make_private(
         module=copied, optimizer=torch.optim.SGD(copied.parameters(), lr=0.0), data_loader=loader,
-        noise_multiplier=sigma, max_grad_norm=1.0, variant=variant, projections=4, reproducible_seed=KEY,
-        loss_reduction="sum" if autocast else "mean",
+        noise_multiplier=sigma, variant=variant, reproducible_seed=KEY, loss_reduction="sum" if autocast else "mean",
+        **bounds,
     )  # fmt: skip
     optimizer.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -420,7 +423,7 @@ def fuzz_case(case: FuzzCase, draw_architecture: Callable) -> Outcome:
     arch: Architecture = draw_architecture()
     dtype = {"fp64": torch.float64, "param-bf16": torch.bfloat16}.get(case.precision, torch.float32)
     model = arch.model.to(dtype)
-    if case.variant == "weightclip" and arch.lipschitz:
+    if FRONT_DOOR.get(case.variant, case.variant) == "weightclip" and arch.lipschitz:
         torch.manual_seed(case.seed)
         model = build_model("weightclip_mlp", arch.shape, CLASSES, hidden=8, input_bound=4.0).to(dtype)
     x = _inputs(arch, case.rows, gen, dtype)  # a model cast to bf16 gets bf16 data, as its user would give it
@@ -512,7 +515,7 @@ def cases(draw, variants=VARIANTS, precisions=PRECISIONS, architectures_=ARCHITE
     """(FuzzCase, architecture draw) pairs."""
     builders = architectures()
     variant = draw(st.sampled_from(variants))
-    lipschitz = variant in ("clipless", "weightclip")
+    lipschitz = FRONT_DOOR.get(variant, variant) in ("clipless", "weightclip")
     usual = [a for a in architectures_ if (a == "lipschitz") == lipschitz] or list(architectures_)
     name = draw(st.sampled_from(usual)) if draw(st.integers(0, 9)) else draw(st.sampled_from(architectures_))
     case = FuzzCase(

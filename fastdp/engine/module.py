@@ -1,12 +1,22 @@
 """The front door's model wrapper: the user's model, whose training forwards record what the private step needs.
 
-``PrivateModule(model)`` converts the model's layers to fastdp's DP layers in place (``fastdp.nn.convert``: same
-parameters, same ``state_dict``) and runs each forward that needs gradients (training mode, grad enabled) inside a
-:class:`fastdp.nn.GhostClipping` context: every DP layer keeps its input A and registers a hook that stores its output
-gradient G when the user calls ``loss.backward()``. No weight gradient is formed by that backward (the DP layers use
-detached parameters); the optimizer's ``step()`` (:class:`fastdp.engine.DPOptimizer`) turns the recorded A and G into
-the clipped sums, adds the noise and sets ``p.grad``. Evaluation forwards (``eval()`` or ``torch.no_grad()``) are the
-plain model.
+``PrivateModule(model, variant)`` runs each forward that needs gradients (training mode, grad enabled) so that the
+optimizer's ``step()`` (:class:`fastdp.engine.DPOptimizer`) can form the variant's bounded sums from the user's own
+``loss.backward()``, in one of two ways (the variant's ``front_door``):
+
+* "ghost" (DP-SGD, DP-SGD-JL): the model's layers are converted to fastdp's DP layers in place
+  (``fastdp.nn.convert``: same parameters, same ``state_dict``) and the forward runs inside a
+  :class:`fastdp.nn.GhostClipping` context: every DP layer keeps its input A and registers a hook that stores its
+  output gradient G when the user calls ``loss.backward()``. No weight gradient is formed by that backward (the DP
+  layers use detached parameters); ``step()`` turns the recorded A and G into the clipped sums.
+* "output" (clipless, weightclip, backprop: variants whose bound lives in the network): the forward is the
+  variant's (``Variant.output_forward``: an input bound, a count of layer calls) and its output is handed to the
+  user detached, as a leaf; ``loss.backward()`` stops there, leaving the loss's gradient at the output, and
+  ``step()`` backpropagates it once through the model (``Variant.sums_of_output``). The model must return one
+  batch-first tensor. Gradients the user's loss sends into the model by any other path are never used: ``step()``
+  overwrites ``p.grad``.
+
+Evaluation forwards (``eval()`` or ``torch.no_grad()``) are the plain model.
 
 Per-example gradients under the loss's reduction (Opacus' ``loss_reduction``): with ``"mean"`` the loss is taken to
 be ``(1/n) sum_i loss_i`` over the n examples of the batch, and G is multiplied by n, so example i's gradient is that
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastdp.algorithms.base import Variant
 from fastdp.nn import GhostClipping, check_supported, convert
 
 
@@ -31,9 +42,11 @@ from fastdp.nn import GhostClipping, check_supported, convert
 class Recorded:
     """One training forward: its DP layer calls (with G once ``loss.backward()`` ran) and its number of examples."""
 
-    records: list
+    records: list  # "ghost": the DP layers' calls
     examples: int
     inputs: torch.Tensor | None  # the forward's input when it was one batch-first tensor (for the row probe)
+    output: torch.Tensor | None = None  # "output": the model's output (its graph) ...
+    leaf: torch.Tensor | None = None  # ... and the detached leaf the user's loss was computed from
 
 
 def batch_size_of(args: tuple, kwargs: dict) -> int | None:
@@ -55,10 +68,16 @@ class PrivateModule(nn.Module):
     """The user's model for private training (module docstring). Attribute access falls through to the model, so
     ``private.fc1`` or ``private.config`` work; ``private._module`` is the model itself."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, variant: Variant) -> None:
         super().__init__()
-        check_supported(convert(module))
+        if variant.front_door not in ("ghost", "output"):
+            raise ValueError(f"variant {variant.name!r} cannot be trained through the front door")
+        if variant.front_door == "ghost":
+            check_supported(convert(module))
+        else:
+            variant.prepare(module)
         self._module = module
+        self._variant = variant
         self._pending: list[Recorded] = []
 
     def __getattr__(self, name: str):
@@ -76,11 +95,32 @@ class PrivateModule(nn.Module):
                 "the private model's forward got no tensor argument with a batch dimension: fastdp needs batch-first "
                 "inputs (the first dimension of the first tensor argument is the number of examples)"
             )
-        with GhostClipping() as ctx:
-            out = self._module(*args, **kwargs)
         single = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
-        self._pending.append(Recorded(ctx.records, examples, single))
-        return out
+        if self._variant.front_door == "ghost":
+            with GhostClipping() as ctx:
+                out = self._module(*args, **kwargs)
+            self._pending.append(Recorded(ctx.records, examples, single))
+            return out
+        return self._output_forward(args, kwargs, examples, single)
+
+    def _output_forward(self, args: tuple, kwargs: dict, examples: int, single: torch.Tensor | None):
+        variant = self._variant
+        autocast = [kind for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
+        if autocast:
+            raise ValueError(
+                f"variant {variant.name!r} cannot train under autocast ({autocast[0]}): "
+                f"{variant.low_precision_refusal}. Run its forward in fp32 (autocast is available for variant='dpsgd')"
+            )
+        out = variant.output_forward(self._module, args, kwargs)
+        if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != examples:
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(
+                f"variant {variant.name!r} takes its step from the gradient at the model's output, so the model must "
+                f"return one tensor whose rows are the batch's {examples} examples; it returned {shape}"
+            )
+        leaf = out.detach().requires_grad_()
+        self._pending.append(Recorded([], examples, single, out, leaf))
+        return leaf
 
     def take_recorded(self) -> list[Recorded]:
         """The training forwards since the last call (their G filled by the backward), and forget them."""

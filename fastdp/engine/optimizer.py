@@ -4,10 +4,13 @@
 ``state`` are the original's, so learning-rate schedulers and ``state_dict`` work). ``step()``:
 
 1. takes what the model's training forwards since the last step recorded (:class:`fastdp.engine.PrivateModule`:
-   each DP layer's A and, after ``loss.backward()``, G), scales G by the number of examples under
-   ``loss_reduction="mean"`` (so each row's gradient is that of the example's own loss);
-2. asks the variant for the clipped sums of that backward (``Variant.sums_of_backward``: DP-SGD's certified ghost
-   norms, DP-SGD-JL's projections), adding the sums of every forward since the last step (gradient accumulation);
+   each DP layer's A and, after ``loss.backward()``, G; or, for the variants whose bound lives in the network, the
+   loss's gradient at the model's output), scales G by the number of examples under ``loss_reduction="mean"`` (so
+   each row's gradient is that of the example's own loss);
+2. asks the variant for the bounded sums of that backward (``Variant.sums_of_backward``: DP-SGD's certified ghost
+   norms, DP-SGD-JL's projections; ``Variant.sums_of_output``: clipless and weightclip clip the output gradient to
+   the loss's Lipschitz constant, backprop's layers clip inputs and upstream gradients, in one backward through the
+   model), adding the sums of every forward since the last step (gradient accumulation);
 3. unless the step is skipped (a virtual step of a larger logical batch, :meth:`signal_skip_step`), checks once per
    shape signature that every row is one example (``fastdp.nn.rows``, for single-tensor inputs), adds the noise
    once with the step's key (the variant's ``release``: the same code and keys as the variant API, so the released
@@ -116,6 +119,8 @@ class DPOptimizer(Optimizer):
 
     # -- the private step
     def _backward_sums(self, recorded: Recorded) -> list[torch.Tensor] | None:
+        if recorded.output is not None:
+            return self._output_sums(recorded)
         records = recorded.records
         if records and all(r.grad is None for r in records):
             return None  # a training forward whose loss was never backpropagated contributes nothing
@@ -159,6 +164,17 @@ class DPOptimizer(Optimizer):
         sums, _ = self.variant.sums_of_backward(model, run, torch.ones(n, dtype=torch.bool, device=device),
                                                 self.steps_taken)  # fmt: skip
         return sums
+
+    def _output_sums(self, recorded: Recorded) -> list[torch.Tensor] | None:
+        """An "output" variant's sums of one forward: the loss's gradient at the output (times n under "mean", so
+        each row is that of the example's own loss), backpropagated once through the model by the variant."""
+        grad = recorded.leaf.grad
+        if grad is None:
+            return None  # a training forward whose loss was never backpropagated contributes nothing
+        model, n = self.module._module, recorded.examples
+        if recorded.inputs is not None and n >= 2:
+            self._check_rows(model, recorded.inputs)
+        return self.variant.sums_of_output(model, recorded.output, grad * n if self.loss_reduction == "mean" else grad)
 
     def _check_rows(self, model: torch.nn.Module, x: torch.Tensor) -> None:
         """Each row one example (``fastdp.nn.rows``): the model's output rows and the DP layers' input rows must not

@@ -35,9 +35,21 @@ What differs, and why:
   bound on the probability of an output impossible without an example (``fastdp.privacy.truncation_delta``), and
   ``make_private_with_epsilon`` calibrates so that the total stays within the target.
 * ``delta >= 1 / N`` is refused (it permits releasing an example outright) unless ``allow_large_delta=True``.
-* ``variant=``: "dpsgd" (Opacus' DP-SGD) or "jl" (DP-SGD-JL, ``projections=r``; PLD accounting only). The
-  Lipschitz variants ("clipless", "weightclip") and backpropagation clipping ("backprop") are not yet available
-  through the front door and are refused with that reason: use ``fastdp train`` or the variant API for them.
+* ``variant=``, each with its own bound parameters (docs/front-door.md, "Variants"):
+
+  - "dpsgd" (Opacus' DP-SGD): ``max_grad_norm`` C, flat or per layer.
+  - "jl" (DP-SGD-JL): ``max_grad_norm``, ``projections`` r; PLD accounting only.
+  - "clipless" / "weightclip" (Lipschitz networks built from ``fastdp.nn.lipschitz`` layers; no gradient
+    clipping): ``output_grad_bound`` L, the bound on each example's loss gradient w.r.t. the model's output (the
+    loss's Lipschitz constant: sqrt(2) for cross-entropy, the default; a ``fastdp.nn.lipschitz.LipschitzLoss``
+    passed as ``criterion`` gives its own), enforced by clipping that gradient, so any loss the user computes is
+    covered; ``input_bound`` X_0 (else the model starts with ``BoundedInput``); ``noise_strategy`` "per-layer" or
+    "global". ``max_grad_norm`` is refused (nothing is clipped to it).
+  - "backprop" (backpropagation clipping): ``input_clip`` C1 and ``grad_clip`` C2 (each layer's inputs and
+    upstream gradients, per example); ``max_grad_norm`` is refused.
+
+  ``noise_multiplier`` is the accounted (effective) multiplier for every variant; with per-layer noise each
+  tensor's multiplier is larger (``fastdp.privacy.per_layer_noise_multiplier``).
 * ``poisson_sampling=False`` and ``clipping="adaptive"`` are refused (no guarantee is computed for them here).
 """
 
@@ -50,17 +62,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from fastdp.algorithms import DPSGD, JL
+from fastdp.algorithms import DPSGD, JL, BackpropClip, Clipless, WeightClip
 from fastdp.algorithms.base import trainable_parameters
 from fastdp.engine.data import DPDataLoader
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
+from fastdp.nn.lipschitz import LipschitzLoss, OutputGradientBound, TauCrossEntropy
 from fastdp.privacy.accounting import PrivacyAccountant, get_noise_multiplier, truncation_delta
 from fastdp.privacy.rng import check_reproducible_seed
 
 ACCOUNTANTS = {"rdp": "rdp", "pld": "pld", "prv": "pld"}
-FRONT_DOOR_VARIANTS = ("dpsgd", "jl")
-LATER_VARIANTS = ("clipless", "weightclip", "backprop")
+VARIANTS = ("dpsgd", "jl", "clipless", "weightclip", "backprop")
+CLIPPED = ("dpsgd", "jl")  # the variants that clip per-example gradients to max_grad_norm
 CLIPPINGS = ("flat", "per_layer")
 GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew", "ghost_bk")
 
@@ -93,7 +106,7 @@ class PrivacyEngine:
         optimizer: torch.optim.Optimizer,
         data_loader: DataLoader,
         noise_multiplier: float,
-        max_grad_norm: float | list[float],
+        max_grad_norm: float | list[float] | None = None,
         criterion: nn.Module | None = None,
         batch_first: bool = True,
         loss_reduction: str = "mean",
@@ -103,6 +116,11 @@ class PrivacyEngine:
         grad_sample_mode: str = "hooks",
         variant: str = "dpsgd",
         projections: int = 10,
+        output_grad_bound: float | None = None,
+        input_bound: float | None = None,
+        noise_strategy: str = "per-layer",
+        input_clip: float | None = None,
+        grad_clip: float | None = None,
         reproducible_seed: int | None = None,
         allow_large_delta: bool = False,
         **kwargs,
@@ -110,9 +128,11 @@ class PrivacyEngine:
         """``(module, optimizer, data_loader)`` for private training (Opacus' ``make_private``); with
         ``grad_sample_mode="ghost"`` ``(module, optimizer, criterion, data_loader)``, as Opacus returns then.
 
-        ``noise_multiplier`` sigma: noise std / clip norm on the summed clipped gradients. ``max_grad_norm`` C: one
-        bound, or one per DP layer (``clipping="per_layer"``, in ``model.modules()`` order). ``variant`` "dpsgd" or
-        "jl" (``projections`` r). ``reproducible_seed``: NOT FOR RELEASE (module docstring)."""
+        ``noise_multiplier`` sigma: noise std / sensitivity on the summed gradients (the accounted multiplier).
+        ``max_grad_norm`` C ("dpsgd", "jl"): one bound, or one per DP layer (``clipping="per_layer"``, in
+        ``model.modules()`` order). ``variant`` and its bound parameters (``projections``; ``output_grad_bound``,
+        ``input_bound``, ``noise_strategy``; ``input_clip``, ``grad_clip``): module docstring.
+        ``reproducible_seed``: NOT FOR RELEASE (module docstring)."""
         if kwargs:
             raise TypeError(f"make_private got unexpected arguments: {', '.join(sorted(kwargs))}")
         if self.optimizer is not None:
@@ -135,11 +155,22 @@ class PrivacyEngine:
                 f"clipping must be one of {', '.join(CLIPPINGS)}, got {clipping!r} (adaptive clipping is not "
                 "offered: its threshold is a private quantity with its own accounting)"
             )
-        per_layer = clipping == "per_layer"
-        if per_layer == isinstance(max_grad_norm, (int, float)):
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+        if variant in CLIPPED:
+            if max_grad_norm is None:
+                raise TypeError(f"variant {variant!r} clips each example's gradient to max_grad_norm: pass one")
+            per_layer = clipping == "per_layer"
+            if per_layer == isinstance(max_grad_norm, (int, float)):
+                raise ValueError(
+                    "clipping='per_layer' needs max_grad_norm as a list (one bound per DP layer), and clipping='flat' "
+                    f"one number; got clipping={clipping!r}, max_grad_norm={max_grad_norm!r}"
+                )
+        elif max_grad_norm is not None or clipping != "flat":
+            bounds = "input_clip and grad_clip" if variant == "backprop" else "output_grad_bound and input_bound"
             raise ValueError(
-                "clipping='per_layer' needs max_grad_norm as a list (one bound per DP layer), and clipping='flat' one "
-                f"number; got clipping={clipping!r}, max_grad_norm={max_grad_norm!r}"
+                f"variant {variant!r} does not clip per-example gradients, so max_grad_norm and clipping mean nothing "
+                f"for it; its sensitivity comes from {bounds} (docs/front-door.md, Variants): drop max_grad_norm"
             )
         reproducible_seed = check_reproducible_seed(reproducible_seed)
         if self.secure_mode and reproducible_seed is not None:
@@ -147,33 +178,54 @@ class PrivacyEngine:
                              "and the batches; drop it (privacy draws then come from OS entropy)")  # fmt: skip
         loader = DPDataLoader.from_data_loader(data_loader, reproducible_seed, poisson_sampling)
         n = len(loader.dataset)
-        private = PrivateModule(module)
         seed = None if reproducible_seed is None else (reproducible_seed * 0x9E3779B97F4A7C15 + 1) % 2**63
-        dp_variant, r = self._variant(variant, max_grad_norm, noise_multiplier, loader.sample_rate, n, projections,
-                                      seed)  # fmt: skip
+        bounds = {"max_grad_norm": max_grad_norm, "projections": projections, "criterion": criterion,
+                  "output_grad_bound": output_grad_bound, "input_bound": input_bound,
+                  "noise_strategy": noise_strategy, "input_clip": input_clip, "grad_clip": grad_clip}  # fmt: skip
+        dp_variant, r = self._variant(variant, bounds, noise_multiplier, loader.sample_rate, n, seed)
+        private = PrivateModule(module, dp_variant)
         dp_variant.check_parameters(module)
-        dp_variant.prepare(module)
+        if dp_variant.front_door == "output":
+            with torch.no_grad():
+                dp_variant.check_model(module)  # the bound rules, named, before the first step
         self._num_examples, self._allow_large_delta = n, bool(allow_large_delta)
         self.optimizer = DPOptimizer(optimizer, private, dp_variant, self.accountant, loss_reduction, r)
         if grad_sample_mode == "ghost":
             return private, self.optimizer, criterion, loader
         return private, self.optimizer, loader
 
-    def _variant(self, name, clip, sigma, q, n, projections, seed):
-        if name in LATER_VARIANTS:
-            raise ValueError(
-                f"variant {name!r} is not yet available through PrivacyEngine (its bound needs the loss and the "
-                "model's Lipschitz rules, or clipping layers inside the backward, which the front door does not wire "
-                f"yet): train it with `fastdp train --variant {name}` or the variant API (fastdp.algorithms)"
-            )
-        if name not in FRONT_DOOR_VARIANTS:
-            raise ValueError(f"variant must be one of {', '.join(FRONT_DOOR_VARIANTS + LATER_VARIANTS)}, got {name!r}")
+    def _variant(self, name: str, bounds: dict, sigma: float, q: float, n: int, seed: int | None):
+        """(the variant ``name`` with its bound parameters from ``bounds``, its JL projections r for the
+        accountant); refuses bound parameters that belong to another variant."""
+        own = {"dpsgd": ("max_grad_norm",), "jl": ("max_grad_norm", "projections"),
+               "clipless": ("criterion", "output_grad_bound", "input_bound", "noise_strategy"),
+               "backprop": ("input_clip", "grad_clip")}[name if name != "weightclip" else "clipless"]  # fmt: skip
+        defaults = {"projections": 10, "noise_strategy": "per-layer"}
+        foreign = [k for k, v in bounds.items() if k not in own and k != "criterion" and k != "max_grad_norm"
+                   and v is not None and v != defaults.get(k)]  # fmt: skip
+        if foreign:
+            raise ValueError(f"{', '.join(foreign)} {'is' if len(foreign) == 1 else 'are'} not a bound parameter of "
+                             f"variant {name!r} (docs/front-door.md, Variants): drop it")  # fmt: skip
+        clip = bounds["max_grad_norm"]
         if name == "jl":
             if self.accountant_mechanism != "pld":
                 raise ValueError("variant='jl' is accounted by PLD only (its privacy loss has no useful RDP): "
                                  "PrivacyEngine(accountant='pld')")  # fmt: skip
-            return JL(clip, sigma, q, n, projections=projections, reproducible_seed=seed), float(projections)
-        return DPSGD(clip, sigma, q, n, reproducible_seed=seed), math.inf
+            r = bounds["projections"]
+            return JL(clip, sigma, q, n, projections=r, reproducible_seed=seed), float(r)
+        if name == "dpsgd":
+            return DPSGD(clip, sigma, q, n, reproducible_seed=seed), math.inf
+        if name == "backprop":
+            missing = [k for k in ("input_clip", "grad_clip") if bounds[k] is None]
+            if missing:
+                raise TypeError(f"variant 'backprop' needs {' and '.join(missing)} (C1: each layer's input, C2: its "
+                                "upstream gradient, per example)")  # fmt: skip
+            clip1, clip2 = bounds["input_clip"], bounds["grad_clip"]
+            return BackpropClip(clip1, clip2, sigma, q, n, reproducible_seed=seed), math.inf
+        loss = _lipschitz_loss(bounds["criterion"], bounds["output_grad_bound"])
+        cls = Clipless if name == "clipless" else WeightClip
+        return cls(sigma, q, n, input_bound=bounds["input_bound"], loss=loss, strategy=bounds["noise_strategy"],
+                   reproducible_seed=seed), math.inf  # fmt: skip
 
     def make_private_with_epsilon(
         self,
@@ -184,7 +236,7 @@ class PrivacyEngine:
         target_epsilon: float,
         target_delta: float,
         epochs: int,
-        max_grad_norm: float | list[float],
+        max_grad_norm: float | list[float] | None = None,
         epsilon_tolerance: float = 0.01,
         **kwargs,
     ):
@@ -248,3 +300,15 @@ class PrivacyEngine:
         if spent >= delta:
             return math.inf
         return self.accountant.get_epsilon(delta - spent)
+
+
+def _lipschitz_loss(criterion, output_grad_bound: float | None) -> LipschitzLoss:
+    """What the clipless and weightclip bound rules credit the loss with: the criterion's own Lipschitz constant
+    (a :class:`LipschitzLoss`), else ``output_grad_bound``, else cross-entropy's sqrt(2); the front door clips each
+    example's output gradient to it, so the user's loss cannot exceed it."""
+    if isinstance(criterion, LipschitzLoss):
+        if output_grad_bound is not None and output_grad_bound != criterion.lipschitz:
+            raise ValueError(f"output_grad_bound={output_grad_bound} contradicts the criterion's Lipschitz constant "
+                             f"{criterion.lipschitz} ({type(criterion).__name__}): pass one of them")  # fmt: skip
+        return criterion
+    return TauCrossEntropy() if output_grad_bound is None else OutputGradientBound(output_grad_bound)

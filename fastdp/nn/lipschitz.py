@@ -43,6 +43,7 @@ __all__ = [
     "LayerCentering",
     "LipschitzConv2d",
     "LipschitzLinear",
+    "OutputGradientBound",
     "LipschitzLoss",
     "MulticlassHKR",
     "MulticlassHinge",
@@ -492,6 +493,24 @@ class LipschitzLoss(nn.Module):
     """A per-example loss (no reduction) with ``lipschitz``: a bound on ||d loss_i / d logits_i||_2."""
 
     lipschitz: float
+
+
+class OutputGradientBound(LipschitzLoss):
+    """A bound without a loss: the front door (``fastdp.engine``) clips each example's loss gradient w.r.t. the model
+    output to ``lipschitz`` before backpropagating it, so the bound rules may credit any loss the user computes with
+    it. Not callable as a loss (the user's loop computes its own)."""
+
+    def __init__(self, lipschitz: float) -> None:
+        super().__init__()
+        if not (isinstance(lipschitz, (int, float)) and math.isfinite(lipschitz) and lipschitz > 0):
+            raise ValueError(f"output_grad_bound must be finite and > 0, got {lipschitz!r}")
+        self.lipschitz = float(lipschitz)
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise TypeError(
+            "OutputGradientBound is a bound on the output gradient, not a loss: compute the loss in your own loop "
+            "(through fastdp.PrivacyEngine), or train with a LipschitzLoss such as TauCrossEntropy"
+        )
 
 
 class TauCrossEntropy(LipschitzLoss):
