@@ -295,3 +295,30 @@ def test_a_foreign_file_is_refused(tmp_path):
         load_checkpoint(engine, tmp_path / "foreign.pt", module=private, optimizer=opt, data_loader=loader)
     with pytest.raises(FileNotFoundError):
         load_checkpoint(engine, tmp_path / "absent.pt", module=private, optimizer=opt, data_loader=loader)
+
+
+@pytest.mark.parametrize("variant", ["clipless", "backprop"])
+def test_the_engines_own_methods_resume_every_variant_bitwise_opacus_style(tmp_path, variant):
+    """``engine.save_checkpoint(path=..., module=..., optimizer=...)`` as Opacus spells it, for the variants whose
+    step is taken from the output's gradient too."""
+    from fastdp.train.models import build_model
+
+    def model():
+        torch.manual_seed(0)
+        if variant == "clipless":
+            return build_model("lipschitz_mlp", (6,), 3, hidden=8, depth=2, input_bound=2.0)
+        return _mlp()
+
+    bounds = {"input_clip": 1.0, "grad_clip": 1.0} if variant == "backprop" else {}
+    kwargs = dict(variant=variant, max_grad_norm=None, **bounds)
+    engine, private, opt, loader = _engine(model=model(), **kwargs)
+    batches = _batches(loader)
+    _train(private, opt, batches, 2)
+    engine.save_checkpoint(path=tmp_path / "run.pt", module=private, optimizer=opt, data_loader=loader)
+    _train(private, opt, batches, 3)
+    engine2, private2, opt2, loader2 = _engine(model=model(), **kwargs)
+    engine2.load_checkpoint(path=tmp_path / "run.pt", module=private2, optimizer=opt2, data_loader=loader2)
+    _train(private2, opt2, _batches(loader2), 3)
+    for a, b in zip(_params(private), _params(private2), strict=True):
+        assert torch.equal(a, b)
+    assert engine2.get_epsilon(DELTA) == engine.get_epsilon(DELTA)

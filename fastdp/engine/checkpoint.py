@@ -117,7 +117,7 @@ def privacy_settings(engine) -> dict:
     settings = {f"variant.{k}" if k != "variant" else "variant": _plain(v) for k, v in described.items()}
     keys = getattr(variant, "keys", None)
     settings.update({
-        "num_examples": getattr(engine, "_num_examples", None),
+        "num_examples": engine.num_examples,
         "accountant": engine.accountant.mechanism,
         "accounted_projections": _plain(dp.projections),
         "loss_reduction": dp.loss_reduction,
@@ -176,7 +176,7 @@ def save_checkpoint(
             "this run has reproducible_seed (NOT FOR RELEASE): pass data_loader= (the loader make_private returned) so "
             "the checkpoint holds its sampler's state; a resumed run would otherwise replay the batches from step 0"
         )
-    if getattr(dp, "_sums", None) is not None:
+    if dp.has_pending_sums:
         raise ValueError(
             "the optimizer holds the clipped sums of skipped (virtual) steps of a logical batch not yet released: save "
             "the checkpoint after the logical batch's step (between BatchMemoryManager's logical batches)"
@@ -307,7 +307,7 @@ def load_checkpoint(
             "start a new run with a new engine and accountant to change them"
         )
     released = max(dp.steps_taken, engine.accountant.steps)
-    if released or getattr(dp, "_sums", None) is not None:
+    if released or dp.has_pending_sums:
         raise ValueError(
             f"this engine already released {released} step(s) (or holds clipped sums of skipped steps): load a "
             "checkpoint into a new engine, right after make_private. Its accountant would otherwise count steps the "

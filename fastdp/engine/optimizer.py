@@ -106,6 +106,11 @@ class DPOptimizer(Optimizer):
     def expected_batch_size(self) -> float:
         return self.variant.expected_batch_size
 
+    @property
+    def has_pending_sums(self) -> bool:
+        """Whether clipped sums of skipped (virtual) steps wait for their logical step's release."""
+        return self._sums is not None
+
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """The next ``step()`` only accumulates the clipped sums (a physical batch of a larger logical one): no noise,
         no optimizer step, no accounting (Opacus' ``BatchMemoryManager`` protocol)."""

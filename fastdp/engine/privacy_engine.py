@@ -64,6 +64,7 @@ from torch.utils.data import DataLoader
 
 from fastdp.algorithms import DPSGD, JL, BackpropClip, Clipless, WeightClip
 from fastdp.algorithms.base import trainable_parameters
+from fastdp.engine import checkpoint
 from fastdp.engine.data import DPDataLoader
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
@@ -273,6 +274,22 @@ class PrivacyEngine:
             sigma = calibrate(target_delta - spent)  # larger sigma: its truncation bound is smaller still
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=sigma,
                                  max_grad_norm=max_grad_norm, **kwargs)  # fmt: skip
+
+    @property
+    def num_examples(self) -> int | None:
+        """N, the size of the private model's data set (None before ``make_private``)."""
+        return self._num_examples
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path, *, module, optimizer, data_loader=None, **kwargs) -> None:
+        """Save model, optimizer, accountant, sampler and noise state with the privacy settings
+        (:func:`fastdp.engine.checkpoint.save_checkpoint`; docs/front-door-checkpoints.md)."""
+        checkpoint.save_checkpoint(self, path, module=module, optimizer=optimizer, data_loader=data_loader, **kwargs)
+
+    def load_checkpoint(self, path, *, module, optimizer, data_loader=None) -> dict:
+        """Resume from :meth:`save_checkpoint`'s file into this engine, made private with the same settings (others
+        are refused); returns the checkpoint's extra entries (:func:`fastdp.engine.checkpoint.load_checkpoint`)."""
+        return checkpoint.load_checkpoint(self, path, module=module, optimizer=optimizer, data_loader=data_loader)
 
     # ------------------------------------------------------------------------------------------------- accounting
     @staticmethod
