@@ -241,6 +241,14 @@ def test_refusals():
         make(variant="clipless")
     with pytest.raises(ValueError, match="variant must be one of"):
         make(variant="adaptive")
+
+    class DifferentiallyPrivateDistributedDataParallel(nn.Module):  # Opacus' DPDDP, by name
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    with pytest.raises(ValueError, match="wrapped in DifferentiallyPrivateDistributedDataParallel"):
+        make(model=DifferentiallyPrivateDistributedDataParallel(_mlp()))
     with pytest.raises(ValueError, match="accounted by PLD only"):
         make(variant="jl")
     with pytest.raises(ValueError, match="secure_mode refuses reproducible_seed"):

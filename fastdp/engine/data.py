@@ -38,17 +38,20 @@ def empty_like_batch(batch):
 
 
 class _BatchSampler:
-    """Batches of dataset indices from a :class:`PoissonSampler`, ``steps_per_epoch`` per epoch."""
+    """Batches of dataset indices from a :class:`PoissonSampler`, ``steps_per_epoch`` per epoch; data-parallel
+    (``parallel``), this rank's shard of each global sample (rank 0 draws an OS-entropy sample and broadcasts it)."""
 
-    def __init__(self, sampler: PoissonSampler) -> None:
-        self.sampler = sampler
+    def __init__(self, sampler: PoissonSampler, parallel=None) -> None:
+        self.sampler = sampler if parallel is None else parallel.shared_sampler(sampler)
+        self.parallel = parallel
 
     def __len__(self) -> int:
         return self.sampler.steps_per_epoch
 
     def __iter__(self):
         for _ in range(self.sampler.steps_per_epoch):
-            yield self.sampler.sample().tolist()
+            indices = self.sampler.sample()
+            yield (indices if self.parallel is None else self.parallel.shard(indices)).tolist()
 
 
 class DPDataLoader(DataLoader):
@@ -62,6 +65,7 @@ class DPDataLoader(DataLoader):
         steps_per_epoch: int | None = None,
         collate_fn=None,
         reproducible_seed: int | None = None,
+        parallel=None,
         **loader_kwargs,
     ) -> None:
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
@@ -75,8 +79,8 @@ class DPDataLoader(DataLoader):
         self.poisson = PoissonSampler(len(dataset), sample_rate, steps_per_epoch, reproducible_seed)
         self.sample_rate = self.poisson.sample_rate
         self._collate = collate_fn if collate_fn is not None else default_collate
-        super().__init__(dataset, batch_sampler=_BatchSampler(self.poisson), collate_fn=self._collate_or_empty,
-                         **loader_kwargs)  # fmt: skip
+        super().__init__(dataset, batch_sampler=_BatchSampler(self.poisson, parallel),
+                         collate_fn=self._collate_or_empty, **loader_kwargs)  # fmt: skip
 
     @property
     def expected_batch_size(self) -> float:
@@ -90,10 +94,12 @@ class DPDataLoader(DataLoader):
 
     @classmethod
     def from_data_loader(
-        cls, data_loader: DataLoader, reproducible_seed: int | None = None, poisson_sampling: bool = True
+        cls, data_loader: DataLoader, reproducible_seed: int | None = None, poisson_sampling: bool = True, parallel=None
     ) -> DPDataLoader:
         """The Poisson version of ``data_loader``: same data set, ``collate_fn``, workers and pinning; sample rate
-        ``batch_size / len(dataset)`` and ``len(data_loader)`` steps per epoch (Opacus' ``DPDataLoader``)."""
+        ``batch_size / len(dataset)`` and ``len(data_loader)`` steps per epoch (Opacus' ``DPDataLoader``).
+        ``parallel`` (a ``fastdp.train.distributed.DataParallel``): ``batch_size`` is the global expected batch
+        size, and this process loads its shard of each global sample."""
         if not poisson_sampling:
             raise ValueError(
                 "poisson_sampling=False is refused: the accountants analyse Poisson sampling, and fixed-size "
@@ -113,7 +119,7 @@ class DPDataLoader(DataLoader):
                       prefetch_factor=data_loader.prefetch_factor if data_loader.num_workers else None,
                       persistent_workers=data_loader.persistent_workers)  # fmt: skip
         return cls(data_loader.dataset, min(1.0, batch_size / n), len(data_loader), data_loader.collate_fn,
-                   reproducible_seed, **kwargs)  # fmt: skip
+                   reproducible_seed, parallel, **kwargs)  # fmt: skip
 
 
 def _rows(batch, start: int, stop: int):

@@ -17,6 +17,11 @@
    gradient equals it for the same batch and key), sets ``p.grad`` to the noisy mean over the expected batch size
    (``loss_reduction="mean"``) or the noisy sum (``"sum"``, as Opacus), runs the original optimizer's step and records
    one accounting event.
+
+Data-parallel (under ``torchrun``, ``parallel``): each process computes the bounded sums of its shard of the global
+Poisson batch, the sums are all-reduced before the release, and the noise is added once: with OS-entropy keys rank 0's
+released gradient replaces the others' (JL: rank 0's tangent key is shared before the sums), with a reproducible
+seed every rank draws the same noise (``fastdp.train.distributed``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class DPOptimizer(Optimizer):
         accountant,
         loss_reduction: str = "mean",
         projections: float = float("inf"),
+        parallel=None,
     ) -> None:
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got {loss_reduction!r}")
@@ -73,6 +79,8 @@ class DPOptimizer(Optimizer):
         self._sums: list[torch.Tensor] | None = None
         self._skip_next = False
         self._probe = RowProbe()
+        self.parallel = parallel  # a fastdp.train.distributed.DataParallel under torchrun, else None
+        self._tangents_shared_for: int | None = None
 
     # -- torch.optim.Optimizer surface: the original optimizer's
     param_groups = _delegated("param_groups")
@@ -195,6 +203,10 @@ class DPOptimizer(Optimizer):
 
     def pre_step(self) -> bool:
         """Add the clipped sums of the forwards since the last step; whether this step releases (not skipped)."""
+        if self.parallel is not None and not self.variant.keys.reproducible:
+            if self._tangents_shared_for != self.steps_taken:  # once per logical step, on every rank
+                self.parallel.share_tangent_key(self.variant, self.steps_taken)
+                self._tangents_shared_for = self.steps_taken
         for recorded in self.module.take_recorded():
             sums = self._backward_sums(recorded)
             if sums is None:
@@ -218,7 +230,11 @@ class DPOptimizer(Optimizer):
         params = trainable_parameters(model)
         sums = self._sums if self._sums is not None else [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params]
         self._sums = None
+        if self.parallel is not None:  # data-parallel: the global batch's sums, then noise once
+            self.parallel.all_reduce_sum(sums)
         self.variant.release(model, sums, self.steps_taken)
+        if self.parallel is not None and not self.variant.keys.reproducible:
+            self.parallel.broadcast_from_main([p.grad for p in params])  # rank 0's draw; the others' are discarded
         if self.loss_reduction == "sum":
             for p in params:
                 p.grad.mul_(self.variant.expected_batch_size)

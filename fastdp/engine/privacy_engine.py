@@ -50,6 +50,11 @@ What differs, and why:
 
   ``noise_multiplier`` is the accounted (effective) multiplier for every variant; with per-layer noise each
   tensor's multiplier is larger (``fastdp.privacy.per_layer_noise_multiplier``).
+* Data parallelism: the same script under ``torchrun`` (the user initialises the default process group: gloo on CPU,
+  nccl on GPU, before ``make_private``) trains data-parallel, without ``DistributedDataParallel``: the loader's
+  ``batch_size`` is the global expected batch size, rank 0's sample is shared and each process loads its shard, the
+  bounded sums are all-reduced and the noise is added once (:class:`fastdp.engine.DPOptimizer`); processes started
+  with different settings are refused; rank 0's initial parameters are broadcast.
 * ``poisson_sampling=False`` and ``clipping="adaptive"`` are refused (no guarantee is computed for them here).
 """
 
@@ -71,6 +76,7 @@ from fastdp.engine.optimizer import DPOptimizer
 from fastdp.nn.lipschitz import LipschitzLoss, OutputGradientBound, TauCrossEntropy
 from fastdp.privacy.accounting import PrivacyAccountant, get_noise_multiplier, truncation_delta
 from fastdp.privacy.rng import check_reproducible_seed
+from fastdp.train.distributed import DataParallel, software_fingerprint
 
 ACCOUNTANTS = {"rdp": "rdp", "pld": "pld", "prv": "pld"}
 VARIANTS = ("dpsgd", "jl", "clipless", "weightclip", "backprop")
@@ -139,6 +145,12 @@ class PrivacyEngine:
         if self.optimizer is not None:
             raise ValueError("this PrivacyEngine already made a model private: use one engine per model and run "
                              "(its accountant holds that run's steps)")  # fmt: skip
+        if "DistributedDataParallel" in type(module).__name__:  # torch's DDP, Opacus' DPDDP
+            raise ValueError(
+                f"the model is wrapped in {type(module).__name__}: pass the model itself. Under torchrun fastdp trains "
+                "data-parallel on its own (the bounded sums all-reduced, the noise added once in optimizer.step()); "
+                "DDP's reducer would average un-noised gradients that fastdp's DP layers never form"
+            )
         if not batch_first:
             raise ValueError("batch_first=False is refused: fastdp needs batch-first inputs (each row one example); "
                              "transpose sequence-first inputs before the model")  # fmt: skip
@@ -177,12 +189,25 @@ class PrivacyEngine:
         if self.secure_mode and reproducible_seed is not None:
             raise ValueError("secure_mode refuses reproducible_seed: whoever knows the seed can regenerate the noise "
                              "and the batches; drop it (privacy draws then come from OS entropy)")  # fmt: skip
-        loader = DPDataLoader.from_data_loader(data_loader, reproducible_seed, poisson_sampling)
-        n = len(loader.dataset)
-        seed = None if reproducible_seed is None else (reproducible_seed * 0x9E3779B97F4A7C15 + 1) % 2**63
         bounds = {"max_grad_norm": max_grad_norm, "projections": projections, "criterion": criterion,
                   "output_grad_bound": output_grad_bound, "input_bound": input_bound,
                   "noise_strategy": noise_strategy, "input_clip": input_clip, "grad_clip": grad_clip}  # fmt: skip
+        parallel = DataParallel.current()
+        if parallel is not None:  # under torchrun: the same run on every process, rank 0's initial model
+            first = next(iter(module.parameters()), None)
+            device_type = "cpu" if first is None else first.device.type
+            parallel.check_same_run({
+                "variant": variant, "bounds": repr(sorted(bounds.items(), key=lambda kv: kv[0])),
+                "noise_multiplier": noise_multiplier, "loss_reduction": loss_reduction, "clipping": clipping,
+                "examples": len(data_loader.dataset), "batch_size": data_loader.batch_size,
+                "steps_per_epoch": len(data_loader), "reproducible_seed": reproducible_seed,
+                "accountant": self.accountant_mechanism, "secure_mode": self.secure_mode,
+                **software_fingerprint(device_type),
+            })  # fmt: skip
+            parallel.broadcast_module(module)
+        loader = DPDataLoader.from_data_loader(data_loader, reproducible_seed, poisson_sampling, parallel)
+        n = len(loader.dataset)
+        seed = None if reproducible_seed is None else (reproducible_seed * 0x9E3779B97F4A7C15 + 1) % 2**63
         dp_variant, r = self._variant(variant, bounds, noise_multiplier, loader.sample_rate, n, seed)
         private = PrivateModule(module, dp_variant)
         dp_variant.check_parameters(module)
@@ -190,7 +215,7 @@ class PrivacyEngine:
             with torch.no_grad():
                 dp_variant.check_model(module)  # the bound rules, named, before the first step
         self._num_examples, self._allow_large_delta = n, bool(allow_large_delta)
-        self.optimizer = DPOptimizer(optimizer, private, dp_variant, self.accountant, loss_reduction, r)
+        self.optimizer = DPOptimizer(optimizer, private, dp_variant, self.accountant, loss_reduction, r, parallel)
         if grad_sample_mode == "ghost":
             return private, self.optimizer, criterion, loader
         return private, self.optimizer, loader

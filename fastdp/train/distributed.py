@@ -283,13 +283,19 @@ class DataParallel:
         all-reduced before the release; ``os_entropy`` (the variant's keys come from OS entropy, different on every
         rank): rank 0's released gradient replaces the others', so the noise is still added exactly once, and (JL)
         rank 0's tangent key of the step is shared first, so every rank projects on the same tangents."""
-        if os_entropy and getattr(variant, "draws_tangents", False):
-            key = self.from_main(lambda: variant.keys.tangent_key(step, variant.projections)[0])
-            variant.keys.adopt_tangent_key(step, key)
+        if os_entropy:
+            self.share_tangent_key(variant, step)
         loss = variant.gradient(model, batch, step, all_reduce_sum=self.all_reduce_sum)
         if os_entropy:
             self.broadcast_from_main([p.grad for p in trainable_parameters(model)])
         return loss
+
+    def share_tangent_key(self, variant: Variant, step: int) -> None:
+        """A variant that draws random tangents (JL) with OS-entropy keys: every rank adopts rank 0's tangent key of
+        ``step``, so all project on the same tangents (tangents are revealed in JL's analysis anyway)."""
+        if getattr(variant, "draws_tangents", False):
+            key = self.from_main(lambda: variant.keys.tangent_key(step, variant.projections)[0])
+            variant.keys.adopt_tangent_key(step, key)
 
     def from_main(self, read: Callable[[], T]) -> T:
         """``read()`` on rank 0, its result (or its exception, raised on every rank) sent to all ranks: e.g. a
