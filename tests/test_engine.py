@@ -288,6 +288,40 @@ def test_a_model_that_mixes_examples_is_refused_before_anything_is_released():
     assert opt.accountant.steps == 0
 
 
+class _DictModel(nn.Module):
+    """``model(features=..., mask=...)``, Hugging Face style; ``mix`` makes one example move the others' outputs
+    through the keyword argument that is not the first tensor."""
+
+    def __init__(self, mix: bool):
+        super().__init__()
+        self.inner, self.mix = _mlp(), mix
+
+    def forward(self, features, mask):
+        scale = mask.float().mean(0) if self.mix else mask.float()
+        return self.inner(features * scale.unsqueeze(-1) if not self.mix else features * scale)
+
+
+@pytest.mark.parametrize("variant", ["dpsgd", "backprop"])
+def test_keyword_inputs_are_probed_too(variant):
+    x, y = _data()
+    mask = torch.ones(len(x), dtype=torch.long)
+    mask[1::3] = 0
+    bounds = (
+        {"max_grad_norm": 0.5} if variant == "dpsgd" else {"max_grad_norm": None, "input_clip": 1.0, "grad_clip": 1.0}
+    )
+    for mix in (False, True):
+        _, model, opt, _ = _private(_DictModel(mix), x, y, variant=variant, **bounds)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(features=x[:6], mask=mask[:6]), y[:6]).backward()
+        if not mix:
+            opt.step()
+            assert opt.accountant.steps == 1
+            continue
+        with pytest.raises(UnsupportedLayerError, match="one example"):
+            opt.step()
+        assert opt.accountant.steps == 0
+
+
 def test_leave_one_out_change_of_the_noiseless_release_is_within_c_for_adversarial_examples():
     """The bound through the front door: noiseless (sigma 0) releases of a batch with and without one adversarial
     example (huge, cancelling at large magnitude) differ by at most C / b, in each reduction."""

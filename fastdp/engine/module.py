@@ -44,7 +44,7 @@ class Recorded:
 
     records: list  # "ghost": the DP layers' calls
     examples: int
-    inputs: torch.Tensor | None  # the forward's input when it was one batch-first tensor (for the row probe)
+    inputs: tuple  # the forward's (args, kwargs), for the row probe
     output: torch.Tensor | None = None  # "output": the model's output (its graph) ...
     leaf: torch.Tensor | None = None  # ... and the detached leaf the user's loss was computed from
 
@@ -95,15 +95,15 @@ class PrivateModule(nn.Module):
                 "the private model's forward got no tensor argument with a batch dimension: fastdp needs batch-first "
                 "inputs (the first dimension of the first tensor argument is the number of examples)"
             )
-        single = args[0] if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
+        inputs = (args, kwargs)
         if self._variant.front_door == "ghost":
             with GhostClipping() as ctx:
                 out = self._module(*args, **kwargs)
-            self._pending.append(Recorded(ctx.records, examples, single))
+            self._pending.append(Recorded(ctx.records, examples, inputs))
             return out
-        return self._output_forward(args, kwargs, examples, single)
+        return self._output_forward(args, kwargs, examples)
 
-    def _output_forward(self, args: tuple, kwargs: dict, examples: int, single: torch.Tensor | None):
+    def _output_forward(self, args: tuple, kwargs: dict, examples: int):
         variant = self._variant
         autocast = [kind for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
         if autocast:
@@ -119,7 +119,7 @@ class PrivateModule(nn.Module):
                 f"return one tensor whose rows are the batch's {examples} examples; it returned {shape}"
             )
         leaf = out.detach().requires_grad_()
-        self._pending.append(Recorded([], examples, single, out, leaf))
+        self._pending.append(Recorded([], examples, (args, kwargs), out, leaf))
         return leaf
 
     def take_recorded(self) -> list[Recorded]:

@@ -12,7 +12,7 @@
    the loss's Lipschitz constant, backprop's layers clip inputs and upstream gradients, in one backward through the
    model), adding the sums of every forward since the last step (gradient accumulation);
 3. unless the step is skipped (a virtual step of a larger logical batch, :meth:`signal_skip_step`), checks once per
-   shape signature that every row is one example (``fastdp.nn.rows``, for single-tensor inputs), adds the noise
+   input signature that every row is one example (``fastdp.nn.rows``, for any batch-first inputs), adds the noise
    once with the step's key (the variant's ``release``: the same code and keys as the variant API, so the released
    gradient equals it for the same batch and key), sets ``p.grad`` to the noisy mean over the expected batch size
    (``loss_reduction="mean"``) or the noisy sum (``"sum"``, as Opacus), runs the original optimizer's step and records
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_flatten
 
 from fastdp.algorithms.base import Variant, sum_dtype, trainable_parameters
 from fastdp.algorithms.dpsgd import GhostBackward
@@ -149,8 +150,8 @@ class DPOptimizer(Optimizer):
                 "that hold them (fastdp.nn.validate(model) lists them)"
             )
         n = recorded.examples
-        if recorded.inputs is not None and n >= 2:
-            self._check_rows(model, recorded.inputs)
+        if n >= 2:
+            self._check_rows(model, recorded.inputs, n)
         for r in records:
             if len(r.shape) == 0 or r.shape[0] != n:
                 raise ValueError(
@@ -185,21 +186,24 @@ class DPOptimizer(Optimizer):
         if grad is None:
             return None  # a training forward whose loss was never backpropagated contributes nothing
         model, n = self.module._module, recorded.examples
-        if recorded.inputs is not None and n >= 2:
-            self._check_rows(model, recorded.inputs)
+        if n >= 2:
+            self._check_rows(model, recorded.inputs, n)
         return self.variant.sums_of_output(model, recorded.output, grad * n if self.loss_reduction == "mean" else grad)
 
-    def _check_rows(self, model: torch.nn.Module, x: torch.Tensor) -> None:
+    def _check_rows(self, model: torch.nn.Module, inputs: tuple, n: int) -> None:
         """Each row one example (``fastdp.nn.rows``): the model's output rows and the DP layers' input rows must not
-        change when one example's input does; once per shape signature, for a forward of one tensor argument."""
+        change when one example's input does (its row replaced in every batch-first tensor of the forward's
+        arguments: tensors, tuples, dicts, keywords); once per input signature."""
 
-        def outputs(inputs: torch.Tensor) -> torch.Tensor:
-            out = model(inputs)
-            return out if isinstance(out, torch.Tensor) else torch.zeros(inputs.shape[0], device=inputs.device)
+        def outputs(structure: tuple) -> torch.Tensor:
+            args, kwargs = structure
+            rows = [t.reshape(n, -1).double() for t in tree_flatten(model(*args, **kwargs))[0]
+                    if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n]  # fmt: skip
+            return torch.cat(rows, 1) if rows else torch.zeros(n, 1, dtype=torch.float64)
 
         with torch.no_grad():
-            self._probe.check(outputs, model, x, self.variant.row_layers(model), f"variant {self.variant.name!r}",
-                              before=lambda: self.variant.check_model(model))  # fmt: skip
+            self._probe.check(outputs, model, inputs, self.variant.row_layers(model), f"variant {self.variant.name!r}",
+                              before=lambda: self.variant.check_model(model), batch=n)  # fmt: skip
 
     def pre_step(self) -> bool:
         """Add the clipped sums of the forwards since the last step; whether this step releases (not skipped)."""

@@ -73,6 +73,7 @@ from fastdp.engine import checkpoint
 from fastdp.engine.data import DPDataLoader
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
+from fastdp.nn import validate
 from fastdp.nn.lipschitz import LipschitzLoss, OutputGradientBound, TauCrossEntropy
 from fastdp.privacy.accounting import PrivacyAccountant, get_noise_multiplier, truncation_delta
 from fastdp.privacy.rng import check_reproducible_seed
@@ -209,6 +210,7 @@ class PrivacyEngine:
         n = len(loader.dataset)
         seed = None if reproducible_seed is None else (reproducible_seed * 0x9E3779B97F4A7C15 + 1) % 2**63
         dp_variant, r = self._variant(variant, bounds, noise_multiplier, loader.sample_rate, n, seed)
+        validate(module, dp_variant, strict=True)  # every problem of the model, in one error (fastdp.nn.validate)
         private = PrivateModule(module, dp_variant)
         dp_variant.check_parameters(module)
         if dp_variant.front_door == "output":

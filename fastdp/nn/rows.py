@@ -28,6 +28,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fastdp.nn import UnsupportedLayerError
 
@@ -61,13 +62,45 @@ def _rows_differ(before: tuple, after: tuple, keep: torch.Tensor) -> bool:
     )
 
 
-def _pick(x: torch.Tensor) -> tuple[int, int] | None:
-    """(k, m): example k's input is replaced by example m's, which differs from it; None if all rows are equal."""
-    flat = x.reshape(x.shape[0], -1)
-    for m in range(1, x.shape[0]):
-        if not torch.equal(flat[0], flat[m]):
+def _rows_of(x, batch: int) -> list[torch.Tensor]:
+    """The batch-first tensors of an input structure (a tensor, or tuples, lists and dicts of them, e.g. a forward's
+    ``(args, kwargs)``): every tensor leaf whose first dimension is the batch."""
+    leaves, _ = tree_flatten(x)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch]
+
+
+def _map_rows(fn, x, batch: int):
+    """``x`` with ``fn`` applied to each of its batch-first tensors (the other leaves kept)."""
+    return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, x)
+
+
+def _pick(x, batch: int) -> tuple[int, int] | None:
+    """(k, m): example k's input is replaced by example m's, which differs from it in some batch-first tensor; None
+    if all examples are equal."""
+    flats = [t.reshape(batch, -1) for t in _rows_of(x, batch)]
+    for m in range(1, batch):
+        if any(not torch.equal(flat[0], flat[m]) for flat in flats):
             return 0, m
     return None
+
+
+def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Random values of ``t``'s shape and dtype (and value range, for integers: token ids, masks)."""
+    if t.is_floating_point():
+        return torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype)
+    if t.dtype == torch.bool:
+        return torch.randint(0, 2, t.shape, generator=gen, device=t.device).bool()
+    high = int(t.max()) + 1 if t.numel() else 1
+    return torch.randint(min(0, int(t.min())) if t.numel() else 0, max(high, 1), t.shape, generator=gen,
+                         device=t.device, dtype=t.dtype)  # fmt: skip
+
+
+def input_signature(x, batch: int) -> tuple:
+    """The shapes (without the batch size), dtypes and devices of an input structure's tensors, and its layout."""
+    leaves, spec = tree_flatten(x)
+    return (str(spec), tuple((tuple(t.shape[1:]) if t.dim() and t.shape[0] == batch else ("shared", tuple(t.shape)),
+                              t.dtype, t.device.type) if isinstance(t, torch.Tensor) else type(t).__name__
+                             for t in leaves))  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -78,29 +111,36 @@ def _same_randomness(device: torch.device):
         yield
 
 
-def probe_rows(run, model: nn.Module, x: torch.Tensor, layers: list[nn.Module], what: str) -> set[int] | None:
-    """Run ``run(x)`` (per-example losses [B]) on ``x`` and on ``x`` with one example's input replaced, watching the
-    inputs of ``layers``; raise :class:`UnsupportedLayerError` if another example's loss or another row of a watched
-    layer's input changed. Returns the sizes seen inside the model (every non-leading dimension of the watched
-    inputs and outputs), or None if the probe was inconclusive (fewer than two distinct examples)."""
-    batch = x.shape[0]
-    if batch < 2:
+def probe_rows(
+    run, model: nn.Module, x, layers: list[nn.Module], what: str, batch: int | None = None
+) -> set[int] | None:
+    """Run ``run(x)`` (per-example losses or outputs, [B, ...]) on ``x`` and on ``x`` with one example's input
+    replaced, watching the inputs of ``layers``; raise :class:`UnsupportedLayerError` if another example's loss or
+    another row of a watched layer's input changed. ``x`` is a batch-first tensor, or any structure of them (tuples,
+    lists, dicts: a forward's ``(args, kwargs)``, with ``batch`` its number of examples): the example's row is
+    replaced in every batch-first tensor. Returns the sizes seen inside the model (every non-leading dimension of the
+    watched inputs and outputs), or None if the probe was inconclusive (fewer than two distinct examples)."""
+    batch = x.shape[0] if batch is None else batch
+    rows = _rows_of(x, batch)
+    if batch < 2 or not rows:
         return None
-    pick = _pick(x)
+    device = rows[0].device
+    pick = _pick(x, batch)
     if pick is None:  # every example is the same: probe on random inputs of the batch's shape (and value range)
-        gen = torch.Generator(device=x.device).manual_seed(_PROBE_SEED)
-        if x.is_floating_point():
-            x = torch.randn(x.shape, generator=gen, device=x.device, dtype=torch.float32).to(x.dtype)
-        else:
-            high = int(x.max()) + 1
-            x = torch.randint(0, high, x.shape, generator=gen, device=x.device, dtype=x.dtype)
-        pick = _pick(x)
+        gen = torch.Generator(device=device).manual_seed(_PROBE_SEED)
+        x = _map_rows(lambda t: _random_like(t, gen), x, batch)
+        pick = _pick(x, batch)
         if pick is None:
             return None
     k, m = pick
-    perturbed = x.clone()
-    perturbed[k] = x[m]
-    keep = torch.ones(batch, dtype=torch.bool, device=x.device)
+
+    def replaced(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[k] = t[m]
+        return t
+
+    perturbed = _map_rows(replaced, x, batch)
+    keep = torch.ones(batch, dtype=torch.bool, device=device)
     keep[k] = False
     names = {id(module): name or "<model>" for name, module in model.named_modules()}
     runs = []
@@ -115,7 +155,7 @@ def probe_rows(run, model: nn.Module, x: torch.Tensor, layers: list[nn.Module], 
 
         handles = [layer.register_forward_hook(record) for layer in layers]
         try:
-            with _same_randomness(x.device):
+            with _same_randomness(device):
                 torch.manual_seed(_PROBE_SEED)
                 losses = run(inputs).detach()
         finally:
@@ -154,19 +194,23 @@ class RowProbe:
         self._inner: dict[tuple, set[int]] = {}  # signature without batch size -> sizes seen inside the model
         self._done: set[tuple] = set()
 
-    def check(self, run, model: nn.Module, x: torch.Tensor, layers: list[nn.Module], what: str, before=None) -> None:
-        """Probe ``model`` on ``x`` unless a batch of the same signature was probed; ``before()`` runs first when a
-        probe is due (a variant's own checks, whose named refusals say more than the probe's)."""
+    def check(
+        self, run, model: nn.Module, x, layers: list[nn.Module], what: str, before=None, batch: int | None = None
+    ) -> None:
+        """Probe ``model`` on ``x`` (a batch-first tensor, or a structure of them with ``batch`` examples: see
+        :func:`probe_rows`) unless a batch of the same signature was probed; ``before()`` runs first when a probe is
+        due (a variant's own checks, whose named refusals say more than the probe's)."""
+        batch = x.shape[0] if batch is None else batch
         modes = tuple(m.training for m in model.modules())
-        key = (id(model), tuple(x.shape[1:]), x.dtype, x.device.type, modes, tuple(id(layer) for layer in layers))
+        key = (id(model), input_signature(x, batch), modes, tuple(id(layer) for layer in layers))
         inner = self._inner.get(key)
-        full = (*key, x.shape[0] if inner is None or x.shape[0] in inner else None)
+        full = (*key, batch if inner is None or batch in inner else None)
         if full in self._done:
             return
         if before is not None:
             before()
-        sizes = probe_rows(run, model, x, layers, what)
+        sizes = probe_rows(run, model, x, layers, what, batch)
         if sizes is None:
             return  # inconclusive: probe again with the next batch
         self._inner[key] = self._inner.get(key, set()) | sizes
-        self._done.add((*key, x.shape[0] if x.shape[0] in self._inner[key] else None))
+        self._done.add((*key, batch if batch in self._inner[key] else None))
