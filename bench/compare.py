@@ -2,12 +2,17 @@
 
 Providers, on the same model, batch and DP settings (clip C = 1, noise multiplier 1, SGD lr 0.01, random data of the
 workload's shape, seeds fixed): ``nonprivate`` (torch), ``opacus-hooks`` and ``opacus-ghost`` (Opacus), the fastdp
-variants that apply to the workload — ``fastdp-dpsgd``, ``fastdp-jl`` (r = --jl-projections), ``fastdp-backprop``
-(models of Linear/Conv2d layers only), ``fastdp-clipless`` and ``fastdp-weightclip`` (on the Lipschitz twin of the
-model: the same shapes with Lipschitz layers; weightclip needs clip-projected LipschitzLinear layers, so MLPs only) —
-and ``tf-privacy`` (its VectorizedDPKerasSGDOptimizer with one microbatch per example, in the venv that
-``make bench-tf`` creates; skipped with a message when that venv is absent). One step = forward, backward, the
-provider's clipping or bounds, noise, optimizer update (and the projection of the Lipschitz variants).
+variants that apply to the workload — ``fastdp-dpsgd`` (DP-SGD through the variant API, ``DPSGD.gradient``),
+``fastdp-frontdoor`` (the same DP-SGD through ``fastdp.PrivacyEngine``: ``make_private`` once, then the user's
+ordinary loop, forward, criterion (mean cross-entropy), ``loss.backward()``, ``optimizer.step()``,
+``optimizer.zero_grad()``; the same expected batch size, hence the same noise std, as fastdp-dpsgd; every workload
+fastdp-dpsgd runs), ``fastdp-jl`` (r = --jl-projections), ``fastdp-backprop`` (models of Linear/Conv2d layers only),
+``fastdp-clipless`` and ``fastdp-weightclip`` (on the Lipschitz twin of the model: the same shapes with Lipschitz
+layers; weightclip needs clip-projected LipschitzLinear layers, so MLPs only) — and ``tf-privacy`` (its
+VectorizedDPKerasSGDOptimizer with one microbatch per example, in the venv that ``make bench-tf`` creates; skipped
+with a message when that venv is absent). One step = forward, backward, the provider's clipping or bounds, noise,
+optimizer update (and the projection of the Lipschitz variants). bench/bench_frontdoor.py times the front door
+against the variant API interleaved in one process (paired rounds), for its overhead alone.
 
 Each (provider, workload) runs in a fresh subprocess (``compare.py --worker JOB``; ``compare_tf.py`` for
 tf-privacy), so import side effects, allocator caches and peak-memory counters never leak from one library into
@@ -43,7 +48,9 @@ matplotlib is importable, otherwise their data to <device>-compare-plot.csv.
 
 Virtual batches (``--micro-batch M``): every workload grows its *logical* batch from --start-batch (default M) to
 --max-batch, each step processing it as micro-batches of M rows — non-private torch by gradient accumulation, fastdp
-by summed clipped sums and one noise release, Opacus by its skip-step protocol (what BatchMemoryManager drives) —
+by summed clipped sums and one noise release, Opacus by its skip-step protocol (what BatchMemoryManager drives), the
+front door by ``fastdp.engine.BatchMemoryManager`` over the logical batch (the same protocol: every physical step but
+the last skipped, its clipped sums kept; one release) —
 so peak memory should stay flat while the time grows with the batch; rows carry ``micro_batch`` and
 ``examples_per_s``, and go to <device>-compare-virtual.csv (tf-privacy: n/a, compare_tf.py has no virtual batches).
 """
@@ -78,6 +85,7 @@ PROVIDERS = {  # provider -> library
     "opacus-hooks": "opacus",
     "opacus-ghost": "opacus",
     "fastdp-dpsgd": "fastdp",
+    "fastdp-frontdoor": "fastdp",
     "fastdp-jl": "fastdp",
     "fastdp-backprop": "fastdp",
     "fastdp-clipless": "fastdp",
@@ -222,6 +230,68 @@ def warm_baseline(build) -> float:
     return rss_mb()
 
 
+class SizedData:
+    """A map-style data set of ``n`` examples that only the private loader's sample rate reads: the front door's
+    step trains on the workload's fixed batch (as every provider), so the loader make_private returns is not
+    iterated."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        raise IndexError("compare.py's front-door step never draws from its loader")
+
+
+def frontdoor_step(model, x, y, num_examples: int, micro_batch: int | None = None,
+                   noise_multiplier: float | None = None, lr: float | None = None,
+                   reproducible_seed: int | None = None):  # fmt: skip
+    """A closure running one DP-SGD step of ``model`` on (x, y) through fastdp's front door, as a user writes it:
+    ``PrivacyEngine.make_private`` once (here), then forward, criterion (mean cross-entropy), ``loss.backward()``,
+    ``optimizer.step()``, ``optimizer.zero_grad()``. Clip norm, noise multiplier and lr are bench_dpsgd's unless given;
+    the loader's batch size is the batch, so the expected batch size (what the noisy sum is divided by) and the
+    noise std are the variant API's (fastdp-dpsgd). With ``micro_batch``, (x, y) is one logical batch walked by
+    ``fastdp.engine.BatchMemoryManager`` in physical batches of that many rows (every step but the last skipped, its
+    clipped sums kept; one release), as an Opacus script does. ``reproducible_seed``: for tests only (NOT FOR
+    RELEASE); the benchmark's noise is keyed by OS entropy, as the variant API's."""
+    import bench_dpsgd
+    import torch
+    from torch.utils.data import DataLoader
+
+    from fastdp import PrivacyEngine
+    from fastdp.engine import BatchMemoryManager
+
+    sigma = bench_dpsgd.SIGMA if noise_multiplier is None else noise_multiplier
+    optimizer = torch.optim.SGD(model.parameters(), lr=bench_dpsgd.LR if lr is None else lr)
+    loader = DataLoader(SizedData(num_examples), batch_size=x.shape[0])
+    private, optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, max_grad_norm=bench_dpsgd.CLIP,
+        reproducible_seed=reproducible_seed,
+    )  # fmt: skip
+    criterion = torch.nn.CrossEntropyLoss()
+    logical = [(x, y)]  # one logical batch per step (a Poisson loader would give a new one each time)
+
+    def train(batches) -> None:
+        for xb, yb in batches:
+            loss = criterion(private(xb), yb)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def step():
+        if micro_batch is None or micro_batch >= x.shape[0]:
+            train(logical)
+            return
+        with BatchMemoryManager(data_loader=logical, max_physical_batch_size=micro_batch,
+                                optimizer=optimizer) as batches:  # fmt: skip
+            train(batches)
+
+    step.optimizer = optimizer  # for tests: steps_taken, the accountant
+    return step
+
+
 def build_step(job: dict, batch: int):
     """(step closure, trainable parameter count) of ``job``'s provider and workload at ``batch``."""
     import bench_dpsgd
@@ -248,6 +318,8 @@ def build_step(job: dict, batch: int):
     if provider in ("nonprivate", "opacus-hooks", "opacus-ghost", "fastdp-dpsgd"):
         name = "fastdp" if provider == "fastdp-dpsgd" else provider
         return bench_dpsgd.make_step(name, model, x, y, micro), params
+    if provider == "fastdp-frontdoor":
+        return frontdoor_step(model, x, y, n, micro), params
     q, clip, sigma = batch / n, bench_dpsgd.CLIP, bench_dpsgd.SIGMA
     variant = {
         "fastdp-jl": lambda: JL(clip, sigma, q, n, projections=job["jl_projections"]),

@@ -33,17 +33,17 @@ def test_two_providers_in_subprocesses_write_the_csv(compare, monkeypatch, tmp_p
 
     monkeypatch.setattr(compare, "run_job", spy)
     out = tmp_path / "cpu-compare.csv"
-    argv = ["--device", "cpu", "--workloads", "mlp-256", "--providers", "nonprivate", "fastdp-dpsgd", "tf-privacy",
-            "--batch", "8", "--repeats", "2", "--warmup", "1", "--out", str(out),
+    argv = ["--device", "cpu", "--workloads", "mlp-256", "--providers", "nonprivate", "fastdp-dpsgd",
+            "fastdp-frontdoor", "tf-privacy", "--batch", "8", "--repeats", "2", "--warmup", "1", "--out", str(out),
             "--tf-python", str(tmp_path / "no-venv")]  # fmt: skip
     assert compare.main(argv) == 0
     printed = capsys.readouterr().out
     assert "tf-privacy skipped: no tf-privacy venv" in printed, printed
 
-    assert [job["provider"] for job, _, _ in calls] == ["nonprivate", "fastdp-dpsgd"]
+    assert [job["provider"] for job, _, _ in calls] == ["nonprivate", "fastdp-dpsgd", "fastdp-frontdoor"]
     assert all(error == "" for _, _, error in calls), [error for _, _, error in calls]
     pids = [rows[0]["pid"] for _, rows, _ in calls]
-    assert len(set(pids)) == 2 and os.getpid() not in pids, f"each provider must run in its own process: {pids}"
+    assert len(set(pids)) == 3 and os.getpid() not in pids, f"each provider must run in its own process: {pids}"
 
     with out.open() as f:
         rows = list(csv.DictReader(f))
@@ -51,19 +51,84 @@ def test_two_providers_in_subprocesses_write_the_csv(compare, monkeypatch, tmp_p
     assert [(r["workload"], r["provider"], r["library"], r["batch"], r["status"]) for r in rows] == [
         ("mlp-256", "nonprivate", "torch", "8", "ok"),
         ("mlp-256", "fastdp-dpsgd", "fastdp", "8", "ok"),
+        ("mlp-256", "fastdp-frontdoor", "fastdp", "8", "ok"),
         ("mlp-256", "tf-privacy", "tensorflow-privacy", "8", "skipped"),  # marked as not run, never filled in
     ]
-    assert rows[2]["median_ms"] == "nan" and "make bench-tf" in rows[2]["note"], rows[2]
-    rows = rows[:2]
+    assert rows[3]["median_ms"] == "nan" and "make bench-tf" in rows[3]["note"], rows[3]
+    rows = rows[:3]
     for r in rows:
         med, p20, p80 = float(r["median_ms"]), float(r["p20_ms"]), float(r["p80_ms"])
         assert 0 < p20 <= med <= p80, r
         assert r["mem_kind"] == "cpu-peak-rss-delta" and math.isfinite(float(r["peak_mem_mb"])), r
         assert r["params"] == "669706" and r["device"] and r["torch"] and r["date"], r
         assert r["largest_batch"] == "" and r["repeats"] == "2", r
-    base, dp = rows
+    base = rows[0]
     assert float(base["time_vs_nonprivate"]) == 1.0
-    assert float(dp["time_vs_nonprivate"]) == pytest.approx(float(dp["median_ms"]) / float(base["median_ms"]), rel=2e-3)
+    for dp in rows[1:]:
+        ratio = float(dp["median_ms"]) / float(base["median_ms"])
+        assert float(dp["time_vs_nonprivate"]) == pytest.approx(ratio, rel=2e-3, abs=1e-3)  # written with .3f
+
+
+SEED = 7
+DERIVED = (SEED * 0x9E3779B97F4A7C15 + 1) % 2**63  # the noise key PrivacyEngine derives from reproducible_seed
+
+
+@pytest.mark.parametrize("workload", ["mlp-256", "cnn-256", "transformer-T64"])
+def test_the_front_door_provider_releases_the_variant_apis_update(compare, workload):
+    """fastdp-frontdoor's step (make_private, then forward, criterion, loss.backward(), step(), zero_grad()) releases
+    the same update as fastdp-dpsgd's (the variant API) for the same batch and noise key: the same clipping and the
+    same noise std (sigma C over the same expected batch size), with the benchmark's clip, sigma and lr; also when the
+    batch is walked in physical batches by BatchMemoryManager (one release for the logical batch)."""
+    import bench_dpsgd
+    import harness
+    import torch
+
+    from fastdp.algorithms import DPSGD
+
+    factory, inputs, _ = compare.fixed_workloads()[workload]
+    gen = torch.Generator().manual_seed(0)
+    b, n = 6, compare.MNIST_EXAMPLES
+    x, y = inputs(b, gen), torch.randint(0, 10, (b,), generator=gen)
+
+    def params_after(build):
+        torch.manual_seed(0)
+        model = factory()
+        step = build(model)
+        step()
+        return step, [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    start = [p.detach().clone() for p in factory().parameters()]
+    variant = DPSGD(bench_dpsgd.CLIP, bench_dpsgd.SIGMA, b / n, n, reproducible_seed=DERIVED)
+    _, reference = params_after(lambda m: harness.variant_step(variant, m, x, y, bench_dpsgd.LR))
+    for micro in (None, 4):
+        step, got = params_after(lambda m, micro=micro: compare.frontdoor_step(m, x, y, n, micro,
+                                                                               reproducible_seed=SEED))  # fmt: skip
+        assert step.optimizer.steps_taken == 1 and step.optimizer.accountant.steps == 1, micro
+        for p0, p, q in zip(start, got, reference, strict=True):
+            assert not torch.equal(p, p0)  # every parameter moved (noise on every coordinate)
+            torch.testing.assert_close((p0 - p) / bench_dpsgd.LR, (p0 - q) / bench_dpsgd.LR, rtol=1e-4, atol=1e-5)
+
+
+def test_the_front_door_provider_trains(compare):
+    """Without noise, the front-door step on a fixed batch lowers its loss (the released update is a descent step)."""
+    import torch
+
+    factory, inputs, _ = compare.fixed_workloads()["mlp-256"]
+    gen = torch.Generator().manual_seed(0)
+    x, y = inputs(32, gen), torch.randint(0, 10, (32,), generator=gen)
+    torch.manual_seed(0)
+    model = factory()
+
+    def loss() -> float:
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(model(x), y).item()
+
+    before = loss()
+    step = compare.frontdoor_step(model, x, y, compare.MNIST_EXAMPLES, micro_batch=8, noise_multiplier=0.0, lr=0.5)
+    for _ in range(10):
+        step()
+    assert step.optimizer.steps_taken == 10 and loss() < 0.7 * before, (before, loss())
 
 
 def test_virtual_batches_grow_the_logical_batch(compare, tmp_path):
