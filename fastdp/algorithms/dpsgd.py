@@ -278,9 +278,14 @@ def _clip_and_sum(
     caches = [{} for _ in layers]  # per-example gradients a layer formed for its norm, reused for its sum
     sq_norms = torch.stack([layer.per_example_sq_norms(a, g, cache)
                             for layer, a, g, cache in zip(layers, saved, grads_out, caches, strict=True)])  # fmt: skip
+    inexact = math.frexp(loss_scale)[0] != 0.5  # a power of two divides exactly (fp16's loss scale)
     if loss_scale != 1.0:
-        sq_norms = sq_norms / (loss_scale * loss_scale)  # exact in fp32: a power of two
+        sq_norms = sq_norms / (loss_scale * loss_scale)
+        if inexact:  # e.g. the front door's 1/n: the division rounded up, so no norm is underestimated
+            sq_norms = sq_norms * (1 + 4 * torch.finfo(sq_norms.dtype).eps)
     factors = _factors(sq_norms, clip_norm) * (mask.to(sq_norms.dtype) * (scale / loss_scale))
+    if inexact:  # and the rounding of scale / loss_scale in the factor taken off
+        factors = factors * (1 - 4 * torch.finfo(factors.dtype).eps)
     dropped = None
     if finite_only:  # an example whose norm (or loss) is not finite contributes 0: factor 0, finite entries
         keep = torch.isfinite(sq_norms).all(0) & torch.isfinite(losses)
@@ -407,18 +412,20 @@ class DPSGD(Variant):
         return sums, loss
 
     def sums_of_backward(
-        self, model: torch.nn.Module, run: GhostBackward, mask: torch.Tensor, step: int
+        self, model: torch.nn.Module, run: GhostBackward, mask: torch.Tensor, step: int, loss_scale: float = 1.0
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """:meth:`clipped_sum` of a backward the caller ran (the front door: the user's own forward, loss and
-        ``loss.backward()``; ``run.grads_out`` are gradients of the sum of the per-example losses). Ghost mode;
-        low-precision A or G (the user's autocast) get the non-finite handling of bf16/fp16."""
+        ``loss.backward()``; ``run.grads_out`` are gradients of ``loss_scale`` times the sum of the per-example
+        losses, e.g. 1/n for a mean: folded into the clip factors, not a copy of G). Ghost mode; low-precision A or G
+        (the user's autocast) get the non-finite handling of bf16/fp16."""
         if self.mode != "ghost":
             raise ValueError("DPSGD(mode='reference') recomputes per-example gradients with torch.func and cannot "
                              "use a backward run by the caller; use mode='ghost'")  # fmt: skip
         low = any(t.is_floating_point() and t.dtype != torch.float64 and t.dtype != torch.float32
                   for t in [*run.grads_out, *(a for saved in run.saved for a in saved)])  # fmt: skip
+        finite_only = low or self.precision != "fp32"
         sums, loss, dropped = clipped_sums_of_backward(model, run, mask, self.clip_norm, 1.0 / self.expected_batch_size,
-                                                       1.0, finite_only=low or self.precision != "fp32")  # fmt: skip
+                                                       loss_scale, finite_only)  # fmt: skip
         if dropped is not None:
             self.nonfinite_examples = self.nonfinite_examples + dropped
         return sums, loss

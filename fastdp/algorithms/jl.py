@@ -219,13 +219,17 @@ class JL(Variant):
         return weights * mask.to(weights.dtype)
 
     def sums_of_backward(
-        self, model: nn.Module, run: GhostBackward, mask: torch.Tensor, step: int
+        self, model: nn.Module, run: GhostBackward, mask: torch.Tensor, step: int, loss_scale: float = 1.0
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """:meth:`clipped_sum` of a backward the caller ran (the front door, ``fastdp.engine``); fp32/float64."""
+        """:meth:`clipped_sum` of a backward the caller ran (the front door, ``fastdp.engine``); fp32/float64.
+        ``run.grads_out`` are gradients of ``loss_scale`` times the summed per-example losses: divided out first
+        (the projections' rounding bounds are those of the gradients they project)."""
         low = [str(g.dtype) for g in run.grads_out if g.dtype not in (torch.float32, torch.float64)]
         if low:
             raise ValueError(f"DP-SGD-JL trains in fp32 only, but the backward ran in {low[0]} (autocast): "
                              f"{self.low_precision_refusal}. Run the forward without autocast")  # fmt: skip
+        if loss_scale != 1.0:
+            run.grads_out = [g / loss_scale for g in run.grads_out]
         caches = [{} for _ in run.layers]
         return _clipped_sum(run, self.clip_weights(run, mask, step, caches), caches), run.losses.sum()
 

@@ -5,8 +5,8 @@
 
 1. takes what the model's training forwards since the last step recorded (:class:`fastdp.engine.PrivateModule`:
    each DP layer's A and, after ``loss.backward()``, G; or, for the variants whose bound lives in the network, the
-   loss's gradient at the model's output), scales G by the number of examples under ``loss_reduction="mean"`` (so
-   each row's gradient is that of the example's own loss);
+   loss's gradient at the model's output), with G taken as 1/n of each example's own loss gradient under
+   ``loss_reduction="mean"`` (the n folded into the clip factors, without a copy of G);
 2. asks the variant for the bounded sums of that backward (``Variant.sums_of_backward``: DP-SGD's certified ghost
    norms, DP-SGD-JL's projections; ``Variant.sums_of_output``: clipless and weightclip clip the output gradient to
    the loss's Lipschitz constant, backprop's layers clip inputs and upstream gradients, in one backward through the
@@ -150,8 +150,6 @@ class DPOptimizer(Optimizer):
                 "that hold them (fastdp.nn.validate(model) lists them)"
             )
         n = recorded.examples
-        if n >= 2:
-            self._check_rows(model, recorded.inputs, n)
         for r in records:
             if len(r.shape) == 0 or r.shape[0] != n:
                 raise ValueError(
@@ -167,16 +165,18 @@ class DPOptimizer(Optimizer):
                 "bound for batches of a few hundred). Sum the per-example losses and pass loss_reduction='sum' "
                 "(p.grad is then the noisy sum: divide the learning rate by the expected batch size), or train in fp32"
             )
-        scale = float(n) if self.loss_reduction == "mean" else 1.0
-        grads = []
-        for r in records:
-            g = r.grad if r.grad is not None else torch.zeros(r.shape, dtype=r.dtype)
-            grads.append(g * scale if scale != 1.0 else g)
+        grads = [r.grad if r.grad is not None else torch.zeros(r.shape, dtype=r.dtype) for r in records]
         device = grads[0].device if grads else torch.device("cpu")
         run = GhostBackward(params, [r.layer for r in records], [r.saved for r in records], grads,
                             torch.zeros(n, device=device))  # fmt: skip
+        # "mean": G holds 1/n of each example's loss gradient; the variant folds n back in (no copy of G)
+        loss_scale = 1.0 / n if self.loss_reduction == "mean" and n else 1.0
         sums, _ = self.variant.sums_of_backward(model, run, torch.ones(n, dtype=torch.bool, device=device),
-                                                self.steps_taken)  # fmt: skip
+                                                self.steps_taken, loss_scale)  # fmt: skip
+        del run, grads
+        records.clear()  # A and G freed before the row probe's forwards (peak memory)
+        if n >= 2:  # before anything is released: the sums are kept only if it passes
+            self._check_rows(model, recorded.inputs, n)
         return sums
 
     def _output_sums(self, recorded: Recorded) -> list[torch.Tensor] | None:
