@@ -418,3 +418,38 @@ def test_a_learning_rate_scheduler_drives_the_private_optimizer():
         _step(model, opt, xb, yb)
         scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.8 * 0.5 ** len(loader)) and opt.steps_taken == len(loader)
+
+
+class _ModelWithLoss(nn.Module):
+    """Hugging Face style: ``model(features=..., labels=...)`` returns a dict with its own loss, a mean over the whole
+    batch's tokens (labels -100 ignored), which is not a sum of per-example losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _mlp()
+
+    def forward(self, features, labels=None):
+        logits = self.inner(features)  # [B, T, 3]: T "tokens" per example
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return out
+
+
+def test_a_loss_the_model_computed_itself_is_refused_and_one_from_its_logits_trains():
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 4, 6, generator=gen), torch.randint(0, 3, (40, 4), generator=gen)
+    y[::3, 1:] = -100  # padding: examples with fewer tokens
+    _, model, opt, _ = _private(_ModelWithLoss(), x, y)
+    opt.zero_grad()
+    model(features=x[:8], labels=y[:8])["loss"].backward()
+    with pytest.raises(ValueError, match="computed by the model itself"):
+        opt.step()
+    assert opt.accountant.steps == 0
+    opt.zero_grad()
+    out = model(features=x[:8], labels=y[:8])  # labels passed, its loss only logged: fine
+    per_token = nn.functional.cross_entropy(out["logits"].transpose(1, 2), y[:8], ignore_index=-100, reduction="none")
+    loss = (per_token.sum(1) / (y[:8] != -100).sum(1)).mean()  # each example's own token mean, then the mean
+    loss.backward()
+    opt.step()
+    assert opt.accountant.steps == 1 and out["loss"].item() > 0

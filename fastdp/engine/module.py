@@ -29,6 +29,7 @@ divisor counts every example's tokens) is not a mean over examples; average each
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,7 @@ class PrivateModule(nn.Module):
         self._module = module
         self._variant = variant
         self._pending: list[Recorded] = []
+        self._internal_loss = False
 
     def __getattr__(self, name: str):
         try:
@@ -100,8 +102,26 @@ class PrivateModule(nn.Module):
             with GhostClipping() as ctx:
                 out = self._module(*args, **kwargs)
             self._pending.append(Recorded(ctx.records, examples, inputs))
+            self._watch_internal_loss(out)
             return out
         return self._output_forward(args, kwargs, examples)
+
+    def _watch_internal_loss(self, out) -> None:
+        """A loss the model computed itself (``outputs.loss``, ``out["loss"]``: a Hugging Face model given
+        ``labels``) is marked when it is backpropagated, and the step refuses it (:meth:`internal_loss_used`): fastdp
+        cannot see whether it is a sum of per-example terms, and the usual one is not (a mean over the whole batch's
+        tokens, whose divisor counts every example's tokens)."""
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.register_hook(self._mark_internal_loss)
+
+    def _mark_internal_loss(self, grad: torch.Tensor) -> None:
+        self._internal_loss = True
+
+    def internal_loss_used(self) -> bool:
+        """Whether a model-computed loss was backpropagated since the last call (and forget it)."""
+        used, self._internal_loss = self._internal_loss, False
+        return used
 
     def _output_forward(self, args: tuple, kwargs: dict, examples: int):
         variant = self._variant
@@ -130,3 +150,4 @@ class PrivateModule(nn.Module):
     def forget_recorded(self) -> None:
         """Drop what the forwards since the last step recorded (``optimizer.zero_grad()``)."""
         self._pending = []
+        self._internal_loss = False

@@ -211,6 +211,16 @@ class DPOptimizer(Optimizer):
             if self._tangents_shared_for != self.steps_taken:  # once per logical step, on every rank
                 self.parallel.share_tangent_key(self.variant, self.steps_taken)
                 self._tangents_shared_for = self.steps_taken
+        if self.module.internal_loss_used():
+            self.module.forget_recorded()
+            raise ValueError(
+                "the loss backpropagated was computed by the model itself (outputs.loss / out['loss'], e.g. a Hugging "
+                "Face model given labels=): fastdp cannot check that it is a sum of per-example losses, and the usual "
+                "one is not (a mean over the whole batch's tokens: its divisor counts every example's tokens, so "
+                "removing one example rescales every other example's gradient beyond the clipping bound). Do not "
+                "pass labels to the model; compute the loss from its logits, per example (docs/front-door.md, "
+                "'Per-example gradients and the loss')"
+            )
         for recorded in self.module.take_recorded():
             sums = self._backward_sums(recorded)
             if sums is None:
