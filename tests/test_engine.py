@@ -453,3 +453,19 @@ def test_a_loss_the_model_computed_itself_is_refused_and_one_from_its_logits_tra
     loss.backward()
     opt.step()
     assert opt.accountant.steps == 1 and out["loss"].item() > 0
+
+
+def test_opacus_get_privacy_spent_reports_the_engines_epsilon_with_the_truncation_bound():
+    engine, model, opt, _ = _private(_mlp(), *_data())
+    x, y = _data()
+    for _ in range(3):
+        _step(model, opt, x[:8], y[:8])
+    epsilon, best_alpha = engine.accountant.get_privacy_spent(delta=1e-3)
+    assert best_alpha is None and epsilon == engine.get_epsilon(1e-3) == engine.accountant.get_epsilon(1e-3)
+    spent = engine.accountant.truncation(3)
+    assert spent > 0  # the truncation bound is taken off delta, whichever way epsilon is asked for
+    from fastdp.privacy.accounting import PrivacyAccountant
+
+    plain = PrivacyAccountant("rdp")
+    plain.load_state_dict(engine.accountant.state_dict())
+    assert epsilon == plain.get_epsilon(1e-3 - spent) >= plain.get_epsilon(1e-3)

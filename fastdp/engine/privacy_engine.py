@@ -100,7 +100,7 @@ class PrivacyEngine:
             )
         self.accountant_requested = accountant
         self.accountant_mechanism = ACCOUNTANTS[accountant]
-        self.accountant = PrivacyAccountant(self.accountant_mechanism)
+        self.accountant = EngineAccountant(self.accountant_mechanism)
         self.secure_mode = bool(secure_mode)
         self.optimizer: DPOptimizer | None = None
         self._num_examples: int | None = None
@@ -217,6 +217,8 @@ class PrivacyEngine:
             with torch.no_grad():
                 dp_variant.check_model(module)  # the bound rules, named, before the first step
         self._num_examples, self._allow_large_delta = n, bool(allow_large_delta)
+        d = sum(p.numel() for p in trainable_parameters(module))
+        self.accountant.truncation = lambda steps: truncation_delta(noise_multiplier, steps, d, r)
         self.optimizer = DPOptimizer(optimizer, private, dp_variant, self.accountant, loss_reduction, r, parallel)
         if grad_sample_mode == "ghost":
             return private, self.optimizer, criterion, loader
@@ -288,7 +290,9 @@ class PrivacyEngine:
             return get_noise_multiplier(target_epsilon, delta, q, steps, accountant=self.accountant_mechanism,
                                         epsilon_tolerance=epsilon_tolerance, projections=r)  # fmt: skip
 
-        sigma = calibrate(target_delta)
+        # one calibration, at delta less the most the truncation bound may take (refused above delta/100): the
+        # epsilon at delta - spent is then within the target whenever the bound is within delta/100
+        sigma = calibrate(target_delta * (1 - 1 / 100))
         spent = truncation_delta(sigma, steps, d, r)
         if spent > target_delta / 100:
             raise ValueError(
@@ -297,8 +301,6 @@ class PrivacyEngine:
                 f"bounded only by {spent:.3g} here ({d} noised coordinates), above delta/100 = {target_delta / 100:.3g}"
                 " (docs/privacy-randomness.md). Use a smaller target_epsilon, a larger batch_size, or fewer epochs"
             )
-        if spent > 0:
-            sigma = calibrate(target_delta - spent)  # larger sigma: its truncation bound is smaller still
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=sigma,
                                  max_grad_norm=max_grad_norm, **kwargs)  # fmt: skip
 
@@ -337,13 +339,30 @@ class PrivacyEngine:
         if self.optimizer is None:
             raise ValueError("no model was made private with this engine yet: call make_private first")
         self._check_delta(delta, self._num_examples, self._allow_large_delta)
-        variant = self.optimizer.variant
-        steps = self.accountant.steps
-        d = sum(p.numel() for p in trainable_parameters(self.optimizer.module._module))
-        spent = truncation_delta(variant.noise_multiplier, steps, d, self.optimizer.projections) if steps else 0.0
+        return self.accountant.get_epsilon(delta)
+
+
+class EngineAccountant(PrivacyAccountant):
+    """The engine's accountant (``engine.accountant``): a :class:`PrivacyAccountant` whose epsilon at ``delta`` is
+    the composition's at ``delta`` minus the noise's truncation bound over the steps taken (``truncation(steps)``,
+    set by ``make_private``), so that every way of asking for epsilon reports the same number; and Opacus'
+    ``get_privacy_spent(delta=...)``."""
+
+    def __init__(self, mechanism: str) -> None:
+        super().__init__(mechanism)
+        self.truncation = lambda steps: 0.0
+
+    def get_epsilon(self, delta: float) -> float:
+        steps = self.steps
+        spent = self.truncation(steps) if steps else 0.0
         if spent >= delta:
             return math.inf
-        return self.accountant.get_epsilon(delta - spent)
+        return super().get_epsilon(delta - spent)
+
+    def get_privacy_spent(self, *, delta: float, alphas=None) -> tuple[float, None]:
+        """``(epsilon, best_alpha)`` as Opacus' ``RDPAccountant.get_privacy_spent`` returns it; ``best_alpha`` is
+        None (fastdp does not report the RDP order), whatever the mechanism."""
+        return self.get_epsilon(delta), None
 
 
 def _lipschitz_loss(criterion, output_grad_bound: float | None) -> LipschitzLoss:

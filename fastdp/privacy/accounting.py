@@ -163,6 +163,14 @@ def _is_costly(sigma: float, q: float, n: int) -> bool:
     return n > 0 and q > 0 and not math.isinf(sigma)
 
 
+@functools.lru_cache(maxsize=32)
+def _sampled_gaussian_pld(sigma: float, q: float):
+    """The PLD of one Poisson-subsampled Gaussian step, as ``dp_accounting.pld.PLDAccountant`` builds it (add/remove,
+    value discretization 1e-4), cached: building it is most of an epsilon's cost (``get_epsilon`` every epoch)."""
+    pld = _dp_accounting().pld.privacy_loss_distribution
+    return pld.from_gaussian_mechanism(standard_deviation=sigma, value_discretization_interval=1e-4, sampling_prob=q)
+
+
 def _epsilon(runs: Sequence[tuple[float, float, int, float]], delta: float, mechanism: str) -> float:
     """Epsilon of the composition of ``runs`` ``(sigma, q, n, r)`` at ``delta``, from a fresh dp-accounting
     accountant; r is the JL projections of the run's norm estimates (``math.inf``: a Gaussian mechanism).
@@ -178,6 +186,10 @@ def _epsilon(runs: Sequence[tuple[float, float, int, float]], delta: float, mech
     if any(math.isfinite(r) for *_, r in costly):
         return _jl().jl_epsilon_of_runs([(s, q, r, n) for s, q, n, r in costly], delta, mechanism=mechanism)
     dpa = _dp_accounting()
+    if mechanism == "pld":  # what dp_accounting's PLDAccountant composes, with each run's one-step PLD cached
+        pld = functools.reduce(lambda a, b: a.compose(b), [_sampled_gaussian_pld(s, q).self_compose(n)
+                                                           for s, q, n, _ in costly])  # fmt: skip
+        return float(pld.get_epsilon_for_delta(delta))
     event = dpa.dp_event.ComposedDpEvent(
         [
             dpa.dp_event.SelfComposedDpEvent(
