@@ -27,11 +27,12 @@ class TokenLinear(nn.Module):
 
 
 class ConvPool(nn.Module):
-    """conv -> global average pool head (sizes where the conv's norm takes the Gram path: 2 L^2 < C_out k C_in)."""
+    """conv -> global average pool head (sizes where the conv's norm takes the Gram path: 2 L (C_out + k C_in) <
+    C_out k C_in, ``fastdp.nn.layers._use_ghost``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv, self.head = nn.Conv2d(4, 16, 3), nn.Linear(16, 3)
+        self.conv, self.head = nn.Conv2d(8, 128, 3), nn.Linear(128, 3)
 
     def forward(self, x):
         return self.head(self.conv(x).mean((2, 3)))
@@ -78,9 +79,9 @@ def test_a_checkerboard_image_into_conv_and_global_pool_stays_within_the_bound(p
     worst = 0.0
     for seed in range(4):
         torch.manual_seed(seed)
-        x = torch.randn(4, 4, 6, 6)  # 4 x 4 output positions: the checkerboard's patches cancel in pairs
+        x = torch.randn(4, 8, 6, 6)  # 4 x 4 output positions: the checkerboard's patches cancel in pairs
         board = (torch.arange(6).unsqueeze(0) + torch.arange(6).unsqueeze(1)) % 2 * 2.0 - 1.0
-        x[0] = scale * board + 0.01 * torch.randn(4, 6, 6)
+        x[0] = scale * board + 0.01 * torch.randn(8, 6, 6)
         worst = max(worst, leave_one_out(ConvPool(), x, torch.randint(0, 3, (4,)), precision))
     assert worst <= 1 + 1e-5, f"one example moved the release by {worst} C"
 
@@ -111,3 +112,11 @@ def test_certified_token_match_norm_bounds_the_embedding_gradient_norm():
         1, idx.unsqueeze(-1).expand(-1, -1, 3), g.float().double()).pow(2).sum((1, 2))  # fmt: skip
     assert (bound >= exact).all() and (mass >= exact.sqrt()).all()
     assert torch.allclose(bound[1:], exact[1:], rtol=1e-9)
+
+
+def test_the_models_above_take_the_gram_path():
+    """The regression tests above are about the Gram (ghost) norm: their layers must still take it."""
+    from fastdp.nn.layers import _use_ghost
+
+    assert _use_ghost(16, 128, 8 * 9)  # ConvPool's conv: 4 x 4 output positions
+    assert _use_ghost(2, 16, 8)  # TokenLinear's lin on cancelling_tokens' 2 positions

@@ -219,7 +219,8 @@ def architectures() -> dict[str, Callable]:
 
     def conv(draw):
         groups = draw(st.sampled_from([1, 2]))
-        channels, out = 2 * groups, 4 * groups
+        # 32 output channels: sizes where the norm takes the Gram path (fastdp.nn.layers._use_ghost), 4: the direct
+        channels, out = 2 * groups, draw(st.sampled_from([4, 32])) * groups
         kernel, stride, dilation = (
             draw(st.sampled_from([1, 2, 3])),
             draw(st.sampled_from([1, 2])),
@@ -244,8 +245,10 @@ def architectures() -> dict[str, Callable]:
         return Architecture(model, "image", (channels, size, size))
 
     def tokenwise(draw):
-        d, seq = draw(st.sampled_from([4, 8])), draw(st.sampled_from([2, 3, 4]))
-        return Architecture(Tokenwise(d, draw(st.sampled_from([8, 16])), draw(st.booleans())), "sequence", (seq, d))
+        # d 32 with 64 hidden units: the Gram (ghost) norm path; the small sizes: the per-example gradient path
+        d, seq = draw(st.sampled_from([4, 8, 32])), draw(st.sampled_from([2, 3, 4]))
+        hidden = draw(st.sampled_from([8, 16, 64]))
+        return Architecture(Tokenwise(d, hidden, draw(st.booleans())), "sequence", (seq, d))
 
     def tokens(draw):
         vocab, seq = draw(st.sampled_from([3, 5, 50])), draw(st.sampled_from([3, 4, 6]))
