@@ -163,15 +163,23 @@ def _is_costly(sigma: float, q: float, n: int) -> bool:
     return n > 0 and q > 0 and not math.isinf(sigma)
 
 
+PLD_INTERVAL = 1e-4  # dp_accounting's PLDAccountant default value discretization: every reported epsilon uses it
+COARSE_PLD_INTERVAL = 1e-3  # calibration's search only (get_noise_multiplier): 10x faster, also pessimistic
+
+
 @functools.lru_cache(maxsize=32)
-def _sampled_gaussian_pld(sigma: float, q: float):
+def _sampled_gaussian_pld(sigma: float, q: float, interval: float = PLD_INTERVAL):
     """The PLD of one Poisson-subsampled Gaussian step, as ``dp_accounting.pld.PLDAccountant`` builds it (add/remove,
-    value discretization 1e-4), cached: building it is most of an epsilon's cost (``get_epsilon`` every epoch)."""
+    pessimistic discretization of the privacy loss with ``interval``), cached: building it is most of an epsilon's
+    cost (``get_epsilon`` every epoch)."""
     pld = _dp_accounting().pld.privacy_loss_distribution
-    return pld.from_gaussian_mechanism(standard_deviation=sigma, value_discretization_interval=1e-4, sampling_prob=q)
+    return pld.from_gaussian_mechanism(standard_deviation=sigma, value_discretization_interval=interval,
+                                       sampling_prob=q)  # fmt: skip
 
 
-def _epsilon(runs: Sequence[tuple[float, float, int, float]], delta: float, mechanism: str) -> float:
+def _epsilon(
+    runs: Sequence[tuple[float, float, int, float]], delta: float, mechanism: str, interval: float = PLD_INTERVAL
+) -> float:
     """Epsilon of the composition of ``runs`` ``(sigma, q, n, r)`` at ``delta``, from a fresh dp-accounting
     accountant; r is the JL projections of the run's norm estimates (``math.inf``: a Gaussian mechanism).
 
@@ -187,7 +195,7 @@ def _epsilon(runs: Sequence[tuple[float, float, int, float]], delta: float, mech
         return _jl().jl_epsilon_of_runs([(s, q, r, n) for s, q, n, r in costly], delta, mechanism=mechanism)
     dpa = _dp_accounting()
     if mechanism == "pld":  # what dp_accounting's PLDAccountant composes, with each run's one-step PLD cached
-        pld = functools.reduce(lambda a, b: a.compose(b), [_sampled_gaussian_pld(s, q).self_compose(n)
+        pld = functools.reduce(lambda a, b: a.compose(b), [_sampled_gaussian_pld(s, q, interval).self_compose(n)
                                                            for s, q, n, _ in costly])  # fmt: skip
         return float(pld.get_epsilon_for_delta(delta))
     event = dpa.dp_event.ComposedDpEvent(
@@ -431,6 +439,16 @@ def get_noise_multiplier(
             f"(which gives epsilon={eps_at_max:.4g}); use fewer steps, a smaller sample rate, or a larger epsilon"
         )
 
+    if accountant == "pld" and not math.isfinite(r):
+        # search with a coarser (also pessimistic) discretization, then check the result with the reported one:
+        # within the target there (the usual case: coarser is more pessimistic), it is returned
+        def coarse(sigma: float) -> float:
+            return _epsilon([(sigma, q, steps, r)], delta, accountant, COARSE_PLD_INTERVAL)
+
+        sigma = solve_noise_multiplier(coarse, eps_target, (1 - tol) * eps_target, sigma_max=sigma_max,
+                                       unreachable=unreachable)  # fmt: skip
+        if epsilon(sigma) <= eps_target:
+            return sigma
     return solve_noise_multiplier(epsilon, eps_target, (1 - tol) * eps_target, sigma_max=sigma_max,
                                   unreachable=unreachable)  # fmt: skip
 
