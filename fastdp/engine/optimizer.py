@@ -58,9 +58,14 @@ class DPOptimizer(Optimizer):
         loss_reduction: str = "mean",
         projections: float = float("inf"),
         parallel=None,
+        *,
+        grad_reduction: str | None = None,
     ) -> None:
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got {loss_reduction!r}")
+        grad_reduction = loss_reduction if grad_reduction is None else grad_reduction
+        if grad_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"grad_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got {grad_reduction!r}")
         model_params = {id(p) for p in trainable_parameters(module._module)}
         opt_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if not opt_params <= {id(p) for p in module._module.parameters()}:
@@ -75,6 +80,8 @@ class DPOptimizer(Optimizer):
         self.original_optimizer = optimizer
         self.module, self.variant, self.accountant = module, variant, accountant
         self.loss_reduction = loss_reduction
+        # what p.grad is: "mean" (the noisy sum over the expected batch size, the variant's release) or "sum"
+        self.grad_reduction = grad_reduction
         self.projections = projections
         self.steps_taken = 0  # released steps: the index that keys the noise
         self._sums: list[torch.Tensor] | None = None
@@ -239,7 +246,7 @@ class DPOptimizer(Optimizer):
         self.variant.release(model, sums, self.steps_taken)
         if self.parallel is not None and not self.variant.keys.reproducible:
             self.parallel.broadcast_from_main([p.grad for p in params])  # rank 0's draw; the others' are discarded
-        if self.loss_reduction == "sum":
+        if self.grad_reduction == "sum":
             for p in params:
                 p.grad.mul_(self.variant.expected_batch_size)
         self.original_optimizer.step()

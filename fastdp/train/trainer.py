@@ -36,6 +36,9 @@ import torch
 
 from fastdp.algorithms import VARIANTS, Batch, Variant
 from fastdp.algorithms.base import check_compile, resolve_loss_scale
+from fastdp.engine.module import PrivateModule
+from fastdp.engine.optimizer import DPOptimizer
+from fastdp.engine.privacy_engine import private_training
 from fastdp.privacy.accounting import (
     MECHANISMS,
     PrivacyAccountant,
@@ -371,10 +374,25 @@ class Trainer:
         self.variant.set_precision(config.precision, config.loss_scale)
         if config.compile is not None:
             self.variant.compile(config.compile, config.compile_backend)
+        # the private steps through the front door (fastdp.engine): the model wrapped and the optimizer made the
+        # DPOptimizer that releases each step, as make_private does (None: the variant API's path, see _front_door)
+        self.private_model: PrivateModule | None = None
+        self.dp_optimizer: DPOptimizer | None = None
+        if self._front_door():
+            self.private_model, self.dp_optimizer = private_training(
+                self.model, self.optimizer, self.variant, self.accountant, loss_reduction="sum",
+                grad_reduction="mean", projections=self.projections, parallel=self.distributed)  # fmt: skip
         self.step = 0
         self.epoch = 0
         self.history: list[dict] = []
         self.train_seconds = 0.0
+
+    def _front_door(self) -> bool:
+        """Whether the steps go through the front door (``fastdp.engine``: ``PrivateModule`` and ``DPOptimizer``,
+        the ordinary forward, summed loss, backward and ``optimizer.step()``): every private variant the front door
+        takes the trainer's way ("ghost": dpsgd, jl), uncompiled. The rest (``nonprivate``, ``--compile``, ...)
+        run the variant API's step (:meth:`Variant.gradient`): docs/front-door.md, "The trainer"."""
+        return self.private and self.variant.front_door == "ghost" and self.config.compile is None
 
     def _join_process_group(self) -> None:
         """Data-parallel run (``fastdp.train.distributed``): refuse ranks started with different settings or data,
@@ -695,6 +713,27 @@ class Trainer:
         os_entropy = self.private and self.config.reproducible_privacy_seed is None
         return self.distributed.gradient(self.variant, self.model, batch, self.step, os_entropy=os_entropy)
 
+    def _front_door_step(self, batch: Batch | list[Batch]) -> torch.Tensor:
+        """One private step through the front door, as any user's loop: for each micro-batch, the model's forward
+        (under the run's autocast), the masked per-example losses summed (padded rows weigh exactly 0), one
+        backward (times the fp16 loss scale, which the variant divides out exactly), ``optimizer.step()``. Every
+        micro-batch but the last signals a skipped step (``signal_skip_step``): its clipped sums wait, and the last
+        releases the logical batch once (noise, the mean over the expected batch size, one accounting event).
+        Returns the summed loss of the real examples (detached; this rank's shard, data-parallel)."""
+        batches = [batch] if isinstance(batch, Batch) else list(batch)
+        scale = self.variant.loss_scale
+        loss = torch.zeros((), device=self.device)
+        for k, micro in enumerate(batches):
+            self.dp_optimizer.signal_skip_step(k < len(batches) - 1)
+            losses = self.variant.loss_fn(self.variant._forward(self.private_model, micro.x), micro.y) * micro.mask
+            total = losses.sum()
+            (total * scale if scale != 1.0 else total).backward()
+            self.dp_optimizer.step()
+            if self.variant.precision != "fp32":  # an example whose loss overflowed contributes 0 (DP-SGD), and
+                total = torch.where(torch.isfinite(losses), losses, 0).sum()  # is left out of the reported loss
+            loss = loss + total.detach()
+        return loss
+
     def _rows(self, indices: torch.Tensor, mask: torch.Tensor) -> Batch:
         x = self._transform(self.data.x_train[indices]).to(self.device)
         y = self.data.y_train[indices].to(self.device)
@@ -753,6 +792,8 @@ class Trainer:
                              f"run's epsilon={config.epsilon}: steps beyond that run spend more than that epsilon "
                              "(the result reports the epsilon spent)")  # fmt: skip
         _log(config, self._header())
+        if self.dp_optimizer is not None:
+            self.dp_optimizer.steps_taken = self.step  # the released steps: the index that keys the noise
         budget = self._step_budget()
         while self.epoch < config.epochs and self.step < budget:
             start, loss_sum, examples = time.perf_counter(), torch.zeros((), device=self.device), 0
@@ -762,16 +803,21 @@ class Trainer:
                     _log(config, f"stopping at step {self.step}: one more step would exceed epsilon={config.epsilon}")
                     break
                 batch = self._batch(indices)
-                loss_sum += self._gradient(batch)
                 examples += indices.numel()
-                self.optimizer.step()
-                self.variant.after_step(self.model)
-                event = self.variant.privacy_event()
-                if event is not None:
-                    self.accountant.step(*event, projections=self.projections)
+                if self.dp_optimizer is not None:
+                    loss_sum += self._front_door_step(batch)
+                else:
+                    loss_sum += self._gradient(batch)
+                    self.optimizer.step()
+                    self.variant.after_step(self.model)
+                    event = self.variant.privacy_event()
+                    if event is not None:
+                        self.accountant.step(*event, projections=self.projections)
                 self.step += 1
                 steps.update(1)
             steps.close()
+            if self.dp_optimizer is not None and self.distributed is not None:
+                self.distributed.all_reduce_sum([loss_sum])  # the global batches' summed loss (every rank's shard)
             seconds = time.perf_counter() - start
             self.train_seconds += seconds
             self.epoch += 1
