@@ -389,10 +389,11 @@ class Trainer:
 
     def _front_door(self) -> bool:
         """Whether the steps go through the front door (``fastdp.engine``: ``PrivateModule`` and ``DPOptimizer``,
-        the ordinary forward, summed loss, backward and ``optimizer.step()``): every private variant the front door
-        takes the trainer's way ("ghost": dpsgd, jl), uncompiled. The rest (``nonprivate``, ``--compile``, ...)
-        run the variant API's step (:meth:`Variant.gradient`): docs/front-door.md, "The trainer"."""
-        return self.private and self.variant.front_door == "ghost" and self.config.compile is None
+        the ordinary forward, summed loss, backward and ``optimizer.step()``): every private variant (each has a
+        front door: "ghost" for dpsgd and jl, "output" for clipless, weightclip and backprop), uncompiled. The
+        non-private baseline and ``--compile`` run the variant API's step (:meth:`Variant.gradient`):
+        docs/front-door.md, "The trainer"."""
+        return self.private and self.variant.front_door is not None and self.config.compile is None
 
     def _join_process_group(self) -> None:
         """Data-parallel run (``fastdp.train.distributed``): refuse ranks started with different settings or data,
