@@ -16,7 +16,8 @@
    once with the step's key (the variant's ``release``: the same code and keys as the variant API, so the released
    gradient equals it for the same batch and key), sets ``p.grad`` to the noisy mean over the expected batch size
    (``loss_reduction="mean"``) or the noisy sum (``"sum"``, as Opacus), runs the original optimizer's step and records
-   one accounting event.
+   one accounting event. ``grad_reduction`` (not offered by ``make_private``; ``fastdp.train``'s trainer passes
+   ``loss_reduction="sum", grad_reduction="mean"``) decouples what ``p.grad`` is from the loss's reduction.
 
 Data-parallel (under ``torchrun``, ``parallel``): each process computes the bounded sums of its shard of the global
 Poisson batch, the sums are all-reduced before the release, and the noise is added once: with OS-entropy keys rank 0's

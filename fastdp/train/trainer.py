@@ -1,8 +1,11 @@
 """The trainer: a variant, an optimizer, a sampler and an accountant, composed.
 
-Every step: sample a batch (Poisson), let the variant write the gradient, step the
-optimizer, record the variant's privacy event. Per epoch: evaluate on the test split
-and log loss, accuracy (AUROC for binary tasks), epsilon so far and steps/s.
+Every step: sample a batch (Poisson), then, for a private variant, the front door's loop
+(``fastdp.engine``: the model's forward through ``PrivateModule``, the masked summed loss, one
+backward, ``DPOptimizer.step()``, which releases the gradient, steps the optimizer and records
+the privacy event; docs/front-door.md, "The trainer"); for the non-private baseline and
+``--compile``, the variant API's step (the variant writes the gradient, the optimizer steps).
+Per epoch: evaluate on the test split and log loss, accuracy (AUROC for binary tasks), epsilon so far and steps/s.
 Checkpoints hold the model, optimizer, accountant and sampler states, so a resumed
 run neither loses nor double-counts a step (and, with a reproducible privacy seed,
 continues the same random streams).
