@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastdp.algorithms.base import Variant, trainable_parameters
-from fastdp.engine import DPOptimizer, PrivateModule
+from fastdp.engine import DPDataLoader, DPOptimizer, PrivateModule
 from fastdp.engine.privacy_engine import private_training
 from fastdp.train.trainer import TrainConfig, Trainer
 
@@ -50,6 +50,9 @@ def test_private_steps_go_through_the_front_door(name, monkeypatch):
     assert isinstance(trainer.dp_optimizer, DPOptimizer)
     assert trainer.dp_optimizer.original_optimizer is trainer.optimizer
     assert trainer.dp_optimizer.accountant is trainer.accountant  # the RunAccountant (preprocessing counted)
+    assert isinstance(trainer.loader, DPDataLoader)  # Poisson batches from the front door's loader and its sampler
+    assert trainer.sampler is trainer.loader.batch_sampler.sampler
+    assert trainer.loader.sample_rate == trainer.variant.sample_rate == BASE["batch_size"] / len(trainer.loader.dataset)
     result = trainer.run()
     assert result["steps"] == trainer.step == len(trainer.sampler) > 0
     assert sum(releases) == trainer.step == trainer.dp_optimizer.steps_taken == trainer.accountant.steps
@@ -92,7 +95,7 @@ def test_the_front_door_step_is_not_the_noiseless_sum():
                                                                        compile_backend="eager")])  # fmt: skip
 def test_nonprivate_and_compiled_runs_keep_the_variant_step(config):
     trainer = Trainer(TrainConfig(**{**BASE, **config}))
-    assert trainer.private_model is None and trainer.dp_optimizer is None
+    assert trainer.private_model is None and trainer.dp_optimizer is None and trainer.loader is None
 
 
 def test_grad_reduction_is_checked_and_the_user_facing_mean_refusal_under_autocast_stays():

@@ -39,6 +39,7 @@ import torch
 
 from fastdp.algorithms import VARIANTS, Batch, Variant
 from fastdp.algorithms.base import check_compile, resolve_loss_scale
+from fastdp.engine.data import DPDataLoader
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
 from fastdp.engine.privacy_engine import private_training
@@ -267,6 +268,23 @@ class RunAccountant(PrivacyAccountant):
         self._composed = {}
 
 
+class ExampleIndices(torch.utils.data.Dataset):
+    """The training split as the front door's loader sees it: example i is its index i. The trainer gathers each
+    batch's rows itself (standardised as they are drawn, padded to ``--pad``'s fixed shapes, split into
+    ``--micro-batch``es), so the loader carries indices, not rows."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return i
+
+
 def _log(config: TrainConfig, message: str) -> None:
     if not config.quiet:
         print(message, file=sys.stderr, flush=True)
@@ -348,10 +366,15 @@ class Trainer:
         # privacy draws: OS entropy unless a reproducible privacy seed is given (the non-private baseline's shuffled
         # batches are no privacy draw: seeded by --seed)
         privacy_seed = config.reproducible_privacy_seed if self.private else None
+        self.loader: DPDataLoader | None = None  # the front door's data loader (Poisson runs through it)
         if not self.private:
             self.sampler = ShuffleSampler(n, config.batch_size, seed=config.seed)
         elif config.shuffle:  # validate(): only with a reproducible privacy seed
             self.sampler = ShuffleSampler(n, config.batch_size, seed=privacy_seed)
+        elif self._front_door():  # the front door's loader: Poisson batches of the split's indices (sharded, torchrun)
+            self.loader = DPDataLoader(ExampleIndices(n), config.batch_size / n, reproducible_seed=privacy_seed,
+                                       parallel=self.distributed)  # fmt: skip
+            self.sampler = self.loader.batch_sampler.sampler  # its PoissonSampler (rank 0's, data-parallel)
         else:
             self.sampler = PoissonSampler(n, config.batch_size / n, reproducible_seed=privacy_seed)
         self.total_steps = config.epochs * len(self.sampler)
@@ -396,7 +419,7 @@ class Trainer:
         front door: "ghost" for dpsgd and jl, "output" for clipless, weightclip and backprop), uncompiled. The
         non-private baseline and ``--compile`` run the variant API's step (:meth:`Variant.gradient`):
         docs/front-door.md, "The trainer"."""
-        return self.private and self.variant.front_door is not None and self.config.compile is None
+        return self.private and VARIANTS[self.config.variant].front_door is not None and self.config.compile is None
 
     def _join_process_group(self) -> None:
         """Data-parallel run (``fastdp.train.distributed``): refuse ranks started with different settings or data,
@@ -409,7 +432,8 @@ class Trainer:
         settings.update(software_fingerprint(self.device.type))
         d.check_same_run(settings)
         d.broadcast_module(self.model)
-        self.sampler = d.shared_sampler(self.sampler)
+        if self.loader is None:  # the front door's loader shares rank 0's samples itself
+            self.sampler = d.shared_sampler(self.sampler)
         if self.physical is not None:
             self.physical = d.physical_batch_size(self.physical)
         if not d.is_main:
@@ -700,7 +724,7 @@ class Trainer:
         """The logical batch of ``indices``: one Batch, or its micro-batches (``micro_batch``: virtual batches, each
         of exactly that many rows, so peak memory does not depend on the logical batch size). Data-parallel: this
         rank's shard of it."""
-        if self.distributed is not None:
+        if self.distributed is not None and self.loader is None:  # the front door's loader yields this rank's shard
             indices = self.distributed.shard(indices)
         if self.physical is not None:
             indices, mask = pad_batch(indices, self.physical)
@@ -716,6 +740,14 @@ class Trainer:
             return self.variant.gradient(self.model, batch, self.step)
         os_entropy = self.private and self.config.reproducible_privacy_seed is None
         return self.distributed.gradient(self.variant, self.model, batch, self.step, os_entropy=os_entropy)
+
+    def _loader_batches(self):
+        """The front door's loader's Poisson batches of indices (this rank's shard, data-parallel), from its batch
+        sampler: the draws iterating the loader makes, without the ``DataLoader`` iterator's worker base seed (drawn
+        from torch's global generator at every epoch: a seeded draw that secure runs must not make, and one that
+        would move the global RNG state that checkpoints hold)."""
+        for indices in self.loader.batch_sampler:
+            yield torch.tensor(indices, dtype=torch.int64)
 
     def _front_door_step(self, batch: Batch | list[Batch]) -> torch.Tensor:
         """One private step through the front door, as any user's loop: for each micro-batch, the model's forward
@@ -802,7 +834,7 @@ class Trainer:
         while self.epoch < config.epochs and self.step < budget:
             start, loss_sum, examples = time.perf_counter(), torch.zeros((), device=self.device), 0
             steps = self._progress(len(self.sampler))
-            for indices in self.sampler:
+            for indices in self.sampler if self.loader is None else self._loader_batches():
                 if self.step >= budget:
                     _log(config, f"stopping at step {self.step}: one more step would exceed epsilon={config.epsilon}")
                     break
@@ -820,8 +852,12 @@ class Trainer:
                 self.step += 1
                 steps.update(1)
             steps.close()
-            if self.dp_optimizer is not None and self.distributed is not None:
-                self.distributed.all_reduce_sum([loss_sum])  # the global batches' summed loss (every rank's shard)
+            if self.dp_optimizer is not None and self.distributed is not None:  # the global batches' summed loss
+                self.distributed.all_reduce_sum([loss_sum])  # (every rank's shard) ...
+                if self.loader is not None:  # ... and example count (the loader yields this rank's shard)
+                    count = torch.tensor([examples], dtype=torch.int64, device=loss_sum.device)
+                    self.distributed.all_reduce_sum([count])
+                    examples = int(count.item())
             seconds = time.perf_counter() - start
             self.train_seconds += seconds
             self.epoch += 1
