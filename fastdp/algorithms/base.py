@@ -2,8 +2,10 @@
 
 A variant turns a batch into this step's gradient (written to ``p.grad``) whose
 sensitivity it knows, and names the accounting event that release was. The trainer
-knows no variant by name: it calls :meth:`Variant.gradient`, steps the optimizer and
-records :meth:`Variant.privacy_event` with the accountant.
+knows no variant by name: it builds one (:meth:`Variant.from_config`) and trains it through
+the front door (``fastdp.engine``: :meth:`sums_of_backward` / :meth:`sums_of_output`, then
+:meth:`release`), or, for the non-private baseline and compiled steps, calls
+:meth:`Variant.gradient`, steps the optimizer and records :meth:`Variant.privacy_event`.
 
 A step has two phases: :meth:`Variant.clipped_sum` (each example's bounded contribution, summed; no noise) and
 :meth:`Variant.release` (noise once, the mean, ``p.grad``). A logical batch too large for memory is processed as

@@ -416,16 +416,17 @@ class DPSGD(Variant):
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """:meth:`clipped_sum` of a backward the caller ran (the front door: the user's own forward, loss and
         ``loss.backward()``; ``run.grads_out`` are gradients of ``loss_scale`` times the sum of the per-example
-        losses, e.g. 1/n for a mean: folded into the clip factors, not a copy of G). Ghost mode; low-precision A or G
+        losses, e.g. 1/n for a mean: folded into the clip factors, not a copy of G), times the fp16 loss scale
+        :meth:`set_precision` set, if any (the trainer scales its backward by it). Ghost mode; low-precision A or G
         (the user's autocast) get the non-finite handling of bf16/fp16."""
         if self.mode != "ghost":
             raise ValueError("DPSGD(mode='reference') recomputes per-example gradients with torch.func and cannot "
                              "use a backward run by the caller; use mode='ghost'")  # fmt: skip
         low = any(t.is_floating_point() and t.dtype != torch.float64 and t.dtype != torch.float32
                   for t in [*run.grads_out, *(a for saved in run.saved for a in saved)])  # fmt: skip
-        finite_only = low or self.precision != "fp32"
-        sums, loss, dropped = clipped_sums_of_backward(model, run, mask, self.clip_norm, 1.0 / self.expected_batch_size,
-                                                       loss_scale, finite_only)  # fmt: skip
+        scale, finite_only = 1.0 / self.expected_batch_size, low or self.precision != "fp32"
+        sums, loss, dropped = clipped_sums_of_backward(model, run, mask, self.clip_norm, scale,
+                                                       loss_scale * self.loss_scale, finite_only)  # fmt: skip
         if dropped is not None:
             self.nonfinite_examples = self.nonfinite_examples + dropped
         return sums, loss

@@ -16,7 +16,8 @@
    once with the step's key (the variant's ``release``: the same code and keys as the variant API, so the released
    gradient equals it for the same batch and key), sets ``p.grad`` to the noisy mean over the expected batch size
    (``loss_reduction="mean"``) or the noisy sum (``"sum"``, as Opacus), runs the original optimizer's step and records
-   one accounting event.
+   one accounting event. ``grad_reduction`` (not offered by ``make_private``; ``fastdp.train``'s trainer passes
+   ``loss_reduction="sum", grad_reduction="mean"``) decouples what ``p.grad`` is from the loss's reduction.
 
 Data-parallel (under ``torchrun``, ``parallel``): each process computes the bounded sums of its shard of the global
 Poisson batch, the sums are all-reduced before the release, and the noise is added once: with OS-entropy keys rank 0's
@@ -58,9 +59,14 @@ class DPOptimizer(Optimizer):
         loss_reduction: str = "mean",
         projections: float = float("inf"),
         parallel=None,
+        *,
+        grad_reduction: str | None = None,
     ) -> None:
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got {loss_reduction!r}")
+        grad_reduction = loss_reduction if grad_reduction is None else grad_reduction
+        if grad_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"grad_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got {grad_reduction!r}")
         model_params = {id(p) for p in trainable_parameters(module._module)}
         opt_params = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if not opt_params <= {id(p) for p in module._module.parameters()}:
@@ -75,6 +81,8 @@ class DPOptimizer(Optimizer):
         self.original_optimizer = optimizer
         self.module, self.variant, self.accountant = module, variant, accountant
         self.loss_reduction = loss_reduction
+        # what p.grad is: "mean" (the noisy sum over the expected batch size, the variant's release) or "sum"
+        self.grad_reduction = grad_reduction
         self.projections = projections
         self.steps_taken = 0  # released steps: the index that keys the noise
         self._sums: list[torch.Tensor] | None = None
@@ -249,7 +257,7 @@ class DPOptimizer(Optimizer):
         self.variant.release(model, sums, self.steps_taken)
         if self.parallel is not None and not self.variant.keys.reproducible:
             self.parallel.broadcast_from_main([p.grad for p in params])  # rank 0's draw; the others' are discarded
-        if self.loss_reduction == "sum":
+        if self.grad_reduction == "sum":
             for p in params:
                 p.grad.mul_(self.variant.expected_batch_size)
         self.original_optimizer.step()

@@ -210,16 +210,12 @@ class PrivacyEngine:
         n = len(loader.dataset)
         seed = None if reproducible_seed is None else (reproducible_seed * 0x9E3779B97F4A7C15 + 1) % 2**63
         dp_variant, r = self._variant(variant, bounds, noise_multiplier, loader.sample_rate, n, seed)
-        validate(module, dp_variant, strict=True)  # every problem of the model, in one error (fastdp.nn.validate)
-        private = PrivateModule(module, dp_variant)
-        dp_variant.check_parameters(module)
-        if dp_variant.front_door == "output":
-            with torch.no_grad():
-                dp_variant.check_model(module)  # the bound rules, named, before the first step
+        private, dp_optimizer = private_training(module, optimizer, dp_variant, self.accountant, projections=r,
+                                                 loss_reduction=loss_reduction, parallel=parallel)  # fmt: skip
         self._num_examples, self._allow_large_delta = n, bool(allow_large_delta)
         d = sum(p.numel() for p in trainable_parameters(module))
         self.accountant.truncation = lambda steps: truncation_delta(noise_multiplier, steps, d, r)
-        self.optimizer = DPOptimizer(optimizer, private, dp_variant, self.accountant, loss_reduction, r, parallel)
+        self.optimizer = dp_optimizer
         if grad_sample_mode == "ghost":
             return private, self.optimizer, criterion, loader
         return private, self.optimizer, loader
@@ -363,6 +359,39 @@ class EngineAccountant(PrivacyAccountant):
         """``(epsilon, best_alpha)`` as Opacus' ``RDPAccountant.get_privacy_spent`` returns it; ``best_alpha`` is
         None (fastdp does not report the RDP order), whatever the mechanism."""
         return self.get_epsilon(delta), None
+
+
+def private_training(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    variant,
+    accountant,
+    *,
+    loss_reduction: str = "mean",
+    grad_reduction: str | None = None,
+    projections: float = math.inf,
+    parallel=None,
+) -> tuple[PrivateModule, DPOptimizer]:
+    """The front door's model and optimizer for ``variant`` (a ``fastdp.algorithms`` variant with a
+    ``front_door``): the model's problems refused in one error (``fastdp.nn.validate(strict=True)``), its layers
+    converted (:class:`PrivateModule`), its parameters' dtypes and (variants whose bound lives in the network) the
+    bound rules checked before the first step, and the :class:`DPOptimizer` whose ``step()`` releases each step and
+    records it with ``accountant``. What :meth:`PrivacyEngine.make_private` builds, and what ``fastdp.train``'s
+    ``Trainer`` (a client of the front door) trains through.
+
+    ``grad_reduction`` (default: ``loss_reduction``) is what ``p.grad`` is: ``"mean"``, the noisy sum over the
+    expected batch size (the variant API's release, bitwise), or ``"sum"``, the noisy sum. The trainer passes
+    ``loss_reduction="sum"`` (it sums the per-example losses, as autocast requires) with ``grad_reduction="mean"``;
+    ``make_private`` keeps Opacus' pairing (``"mean"``/``"mean"``, ``"sum"``/``"sum"``)."""
+    validate(module, variant, strict=True)  # every problem of the model, in one error (fastdp.nn.validate)
+    private = PrivateModule(module, variant)
+    variant.check_parameters(module)
+    if variant.front_door == "output":
+        with torch.no_grad():
+            variant.check_model(module)  # the bound rules, named, before the first step
+    dp_optimizer = DPOptimizer(optimizer, private, variant, accountant, loss_reduction, projections, parallel,
+                               grad_reduction=grad_reduction)  # fmt: skip
+    return private, dp_optimizer
 
 
 def _lipschitz_loss(criterion, output_grad_bound: float | None) -> LipschitzLoss:

@@ -1,8 +1,11 @@
 """The trainer: a variant, an optimizer, a sampler and an accountant, composed.
 
-Every step: sample a batch (Poisson), let the variant write the gradient, step the
-optimizer, record the variant's privacy event. Per epoch: evaluate on the test split
-and log loss, accuracy (AUROC for binary tasks), epsilon so far and steps/s.
+Every step: sample a batch (Poisson), then, for a private variant, the front door's loop
+(``fastdp.engine``: the model's forward through ``PrivateModule``, the masked summed loss, one
+backward, ``DPOptimizer.step()``, which releases the gradient, steps the optimizer and records
+the privacy event; docs/front-door.md, "The trainer"); for the non-private baseline and
+``--compile``, the variant API's step (the variant writes the gradient, the optimizer steps).
+Per epoch: evaluate on the test split and log loss, accuracy (AUROC for binary tasks), epsilon so far and steps/s.
 Checkpoints hold the model, optimizer, accountant and sampler states, so a resumed
 run neither loses nor double-counts a step (and, with a reproducible privacy seed,
 continues the same random streams).
@@ -36,6 +39,10 @@ import torch
 
 from fastdp.algorithms import VARIANTS, Batch, Variant
 from fastdp.algorithms.base import check_compile, resolve_loss_scale
+from fastdp.engine.data import DPDataLoader
+from fastdp.engine.module import PrivateModule
+from fastdp.engine.optimizer import DPOptimizer
+from fastdp.engine.privacy_engine import private_training
 from fastdp.privacy.accounting import (
     MECHANISMS,
     PrivacyAccountant,
@@ -261,6 +268,23 @@ class RunAccountant(PrivacyAccountant):
         self._composed = {}
 
 
+class ExampleIndices(torch.utils.data.Dataset):
+    """The training split as the front door's loader sees it: example i is its index i. The trainer gathers each
+    batch's rows itself (standardised as they are drawn, padded to ``--pad``'s fixed shapes, split into
+    ``--micro-batch``es), so the loader carries indices, not rows."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return i
+
+
 def _log(config: TrainConfig, message: str) -> None:
     if not config.quiet:
         print(message, file=sys.stderr, flush=True)
@@ -342,10 +366,15 @@ class Trainer:
         # privacy draws: OS entropy unless a reproducible privacy seed is given (the non-private baseline's shuffled
         # batches are no privacy draw: seeded by --seed)
         privacy_seed = config.reproducible_privacy_seed if self.private else None
+        self.loader: DPDataLoader | None = None  # the front door's data loader (Poisson runs through it)
         if not self.private:
             self.sampler = ShuffleSampler(n, config.batch_size, seed=config.seed)
         elif config.shuffle:  # validate(): only with a reproducible privacy seed
             self.sampler = ShuffleSampler(n, config.batch_size, seed=privacy_seed)
+        elif self._front_door():  # the front door's loader: Poisson batches of the split's indices (sharded, torchrun)
+            self.loader = DPDataLoader(ExampleIndices(n), config.batch_size / n, reproducible_seed=privacy_seed,
+                                       parallel=self.distributed)  # fmt: skip
+            self.sampler = self.loader.batch_sampler.sampler  # its PoissonSampler (rank 0's, data-parallel)
         else:
             self.sampler = PoissonSampler(n, config.batch_size / n, reproducible_seed=privacy_seed)
         self.total_steps = config.epochs * len(self.sampler)
@@ -371,10 +400,26 @@ class Trainer:
         self.variant.set_precision(config.precision, config.loss_scale)
         if config.compile is not None:
             self.variant.compile(config.compile, config.compile_backend)
+        # the private steps through the front door (fastdp.engine): the model wrapped and the optimizer made the
+        # DPOptimizer that releases each step, as make_private does (None: the variant API's path, see _front_door)
+        self.private_model: PrivateModule | None = None
+        self.dp_optimizer: DPOptimizer | None = None
+        if self._front_door():
+            self.private_model, self.dp_optimizer = private_training(
+                self.model, self.optimizer, self.variant, self.accountant, loss_reduction="sum",
+                grad_reduction="mean", projections=self.projections, parallel=self.distributed)  # fmt: skip
         self.step = 0
         self.epoch = 0
         self.history: list[dict] = []
         self.train_seconds = 0.0
+
+    def _front_door(self) -> bool:
+        """Whether the steps go through the front door (``fastdp.engine``: ``PrivateModule`` and ``DPOptimizer``,
+        the ordinary forward, summed loss, backward and ``optimizer.step()``): every private variant (each has a
+        front door: "ghost" for dpsgd and jl, "output" for clipless, weightclip and backprop), uncompiled. The
+        non-private baseline and ``--compile`` run the variant API's step (:meth:`Variant.gradient`):
+        docs/front-door.md, "The trainer"."""
+        return self.private and VARIANTS[self.config.variant].front_door is not None and self.config.compile is None
 
     def _join_process_group(self) -> None:
         """Data-parallel run (``fastdp.train.distributed``): refuse ranks started with different settings or data,
@@ -387,7 +432,8 @@ class Trainer:
         settings.update(software_fingerprint(self.device.type))
         d.check_same_run(settings)
         d.broadcast_module(self.model)
-        self.sampler = d.shared_sampler(self.sampler)
+        if self.loader is None:  # the front door's loader shares rank 0's samples itself
+            self.sampler = d.shared_sampler(self.sampler)
         if self.physical is not None:
             self.physical = d.physical_batch_size(self.physical)
         if not d.is_main:
@@ -678,7 +724,7 @@ class Trainer:
         """The logical batch of ``indices``: one Batch, or its micro-batches (``micro_batch``: virtual batches, each
         of exactly that many rows, so peak memory does not depend on the logical batch size). Data-parallel: this
         rank's shard of it."""
-        if self.distributed is not None:
+        if self.distributed is not None and self.loader is None:  # the front door's loader yields this rank's shard
             indices = self.distributed.shard(indices)
         if self.physical is not None:
             indices, mask = pad_batch(indices, self.physical)
@@ -694,6 +740,35 @@ class Trainer:
             return self.variant.gradient(self.model, batch, self.step)
         os_entropy = self.private and self.config.reproducible_privacy_seed is None
         return self.distributed.gradient(self.variant, self.model, batch, self.step, os_entropy=os_entropy)
+
+    def _loader_batches(self):
+        """The front door's loader's Poisson batches of indices (this rank's shard, data-parallel), from its batch
+        sampler: the draws iterating the loader makes, without the ``DataLoader`` iterator's worker base seed (drawn
+        from torch's global generator at every epoch: a seeded draw that secure runs must not make, and one that
+        would move the global RNG state that checkpoints hold)."""
+        for indices in self.loader.batch_sampler:
+            yield torch.tensor(indices, dtype=torch.int64)
+
+    def _front_door_step(self, batch: Batch | list[Batch]) -> torch.Tensor:
+        """One private step through the front door, as any user's loop: for each micro-batch, the model's forward
+        (under the run's autocast), the masked per-example losses summed (padded rows weigh exactly 0), one
+        backward (times the fp16 loss scale, which the variant divides out exactly), ``optimizer.step()``. Every
+        micro-batch but the last signals a skipped step (``signal_skip_step``): its clipped sums wait, and the last
+        releases the logical batch once (noise, the mean over the expected batch size, one accounting event).
+        Returns the summed loss of the real examples (detached; this rank's shard, data-parallel)."""
+        batches = [batch] if isinstance(batch, Batch) else list(batch)
+        scale = self.variant.loss_scale
+        loss = torch.zeros((), device=self.device)
+        for k, micro in enumerate(batches):
+            self.dp_optimizer.signal_skip_step(k < len(batches) - 1)
+            losses = self.variant.loss_fn(self.variant._forward(self.private_model, micro.x), micro.y) * micro.mask
+            total = losses.sum()
+            (total * scale if scale != 1.0 else total).backward()
+            self.dp_optimizer.step()
+            if self.variant.precision != "fp32":  # an example whose loss overflowed contributes 0 (DP-SGD), and
+                total = torch.where(torch.isfinite(losses), losses, 0).sum()  # is left out of the reported loss
+            loss = loss + total.detach()
+        return loss
 
     def _rows(self, indices: torch.Tensor, mask: torch.Tensor) -> Batch:
         x = self._transform(self.data.x_train[indices]).to(self.device)
@@ -753,25 +828,36 @@ class Trainer:
                              f"run's epsilon={config.epsilon}: steps beyond that run spend more than that epsilon "
                              "(the result reports the epsilon spent)")  # fmt: skip
         _log(config, self._header())
+        if self.dp_optimizer is not None:
+            self.dp_optimizer.steps_taken = self.step  # the released steps: the index that keys the noise
         budget = self._step_budget()
         while self.epoch < config.epochs and self.step < budget:
             start, loss_sum, examples = time.perf_counter(), torch.zeros((), device=self.device), 0
             steps = self._progress(len(self.sampler))
-            for indices in self.sampler:
+            for indices in self.sampler if self.loader is None else self._loader_batches():
                 if self.step >= budget:
                     _log(config, f"stopping at step {self.step}: one more step would exceed epsilon={config.epsilon}")
                     break
                 batch = self._batch(indices)
-                loss_sum += self._gradient(batch)
                 examples += indices.numel()
-                self.optimizer.step()
-                self.variant.after_step(self.model)
-                event = self.variant.privacy_event()
-                if event is not None:
-                    self.accountant.step(*event, projections=self.projections)
+                if self.dp_optimizer is not None:
+                    loss_sum += self._front_door_step(batch)
+                else:
+                    loss_sum += self._gradient(batch)
+                    self.optimizer.step()
+                    self.variant.after_step(self.model)
+                    event = self.variant.privacy_event()
+                    if event is not None:
+                        self.accountant.step(*event, projections=self.projections)
                 self.step += 1
                 steps.update(1)
             steps.close()
+            if self.dp_optimizer is not None and self.distributed is not None:  # the global batches' summed loss
+                self.distributed.all_reduce_sum([loss_sum])  # (every rank's shard) ...
+                if self.loader is not None:  # ... and example count (the loader yields this rank's shard)
+                    count = torch.tensor([examples], dtype=torch.int64, device=loss_sum.device)
+                    self.distributed.all_reduce_sum([count])
+                    examples = int(count.item())
             seconds = time.perf_counter() - start
             self.train_seconds += seconds
             self.epoch += 1
