@@ -1,4 +1,4 @@
-"""Data-parallel DP training (``fastdp.train.distributed``) on 2 CPU processes with gloo: the same update as one
+"""Data-parallel DP training (``fastdp.engine.distributed``) on 2 CPU processes with gloo: the same update as one
 process (every variant), the noise added once (std sigma C / (qN), OS-entropy keys included), bad configurations
 refused, and ``fastdp train --nproc 2`` end to end.
 
@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fastdp.algorithms import DPSGD, Batch
+from fastdp.engine.distributed import DataParallel
 from fastdp.privacy.sampling import micro_batches
 from fastdp.train.cli import _without_nproc, main
-from fastdp.train.distributed import DataParallel
 from fastdp.train.trainer import TrainConfig, Trainer
 from tests.test_trainer import FAST as TRAINER_FAST
 from tests.variants import make_variant, small_model

@@ -323,7 +323,7 @@ class Variant(abc.ABC):
         return loss
 
     def reduce(self, sums: list[torch.Tensor], loss: torch.Tensor, all_reduce_sum) -> torch.Tensor:
-        """Data-parallel training (``fastdp.train.distributed``), between :meth:`clipped_sum` and :meth:`release`:
+        """Data-parallel training (``fastdp.engine.distributed``), between :meth:`clipped_sum` and :meth:`release`:
         turn this process's ``sums`` (in place) and summed ``loss`` into the global batch's, and return that loss.
         ``all_reduce_sum(tensors)`` sums each tensor over the processes, in place (one collective per dtype, so
         the list must have the same dtypes on every process). A variant whose release reads more of the batch

@@ -151,7 +151,7 @@ class JL(Variant):
     name = "jl"
     private = True
     front_door = "ghost"
-    draws_tangents = True  # data-parallel OS-entropy runs share each step's tangent key (fastdp.train.distributed)
+    draws_tangents = True  # data-parallel OS-entropy runs share each step's tangent key (fastdp.engine.distributed)
     low_precision_refusal = (
         "its rounding bounds (fastdp.algorithms.jl, 'Rounding') are made for fp32 and float64 layer inputs and "
         "sums; " + SUMMED_IN_LOW_PRECISION

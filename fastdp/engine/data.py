@@ -98,7 +98,7 @@ class DPDataLoader(DataLoader):
     ) -> DPDataLoader:
         """The Poisson version of ``data_loader``: same data set, ``collate_fn``, workers and pinning; sample rate
         ``batch_size / len(dataset)`` and ``len(data_loader)`` steps per epoch (Opacus' ``DPDataLoader``).
-        ``parallel`` (a ``fastdp.train.distributed.DataParallel``): ``batch_size`` is the global expected batch
+        ``parallel`` (a ``fastdp.engine.distributed.DataParallel``): ``batch_size`` is the global expected batch
         size, and this process loads its shard of each global sample."""
         if not poisson_sampling:
             raise ValueError(

@@ -22,7 +22,7 @@
 Data-parallel (under ``torchrun``, ``parallel``): each process computes the bounded sums of its shard of the global
 Poisson batch, the sums are all-reduced before the release, and the noise is added once: with OS-entropy keys rank 0's
 released gradient replaces the others' (JL: rank 0's tangent key is shared before the sums), with a reproducible
-seed every rank draws the same noise (``fastdp.train.distributed``).
+seed every rank draws the same noise (``fastdp.engine.distributed``).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class DPOptimizer(Optimizer):
         self._sums: list[torch.Tensor] | None = None
         self._skip_next = False
         self._probe = RowProbe()
-        self.parallel = parallel  # a fastdp.train.distributed.DataParallel under torchrun, else None
+        self.parallel = parallel  # a fastdp.engine.distributed.DataParallel under torchrun, else None
         self._tangents_shared_for: int | None = None
 
     # -- torch.optim.Optimizer surface: the original optimizer's

@@ -71,13 +71,13 @@ from fastdp.algorithms import DPSGD, JL, BackpropClip, Clipless, WeightClip
 from fastdp.algorithms.base import trainable_parameters
 from fastdp.engine import checkpoint
 from fastdp.engine.data import DPDataLoader
+from fastdp.engine.distributed import DataParallel, software_fingerprint
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
 from fastdp.nn import validate
 from fastdp.nn.lipschitz import LipschitzLoss, OutputGradientBound, TauCrossEntropy
 from fastdp.privacy.accounting import PrivacyAccountant, get_noise_multiplier, truncation_delta
 from fastdp.privacy.rng import check_reproducible_seed
-from fastdp.train.distributed import DataParallel, software_fingerprint
 
 ACCOUNTANTS = {"rdp": "rdp", "pld": "pld", "prv": "pld"}
 VARIANTS = ("dpsgd", "jl", "clipless", "weightclip", "backprop")

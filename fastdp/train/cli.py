@@ -9,9 +9,9 @@ import os
 import sys
 
 from fastdp.algorithms import VARIANTS
+from fastdp.engine.distributed import launch, launched_by_torchrun, process_group
 from fastdp.privacy.accounting import MECHANISMS
 from fastdp.train.data import DATASETS, FILE_FORMATS, STANDARDIZE
-from fastdp.train.distributed import launch, launched_by_torchrun, process_group
 from fastdp.train.models import MODELS
 from fastdp.train.trainer import TrainConfig, train
 
@@ -184,7 +184,7 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     """``fastdp train``: one process; with ``--nproc N``, launch N workers via torchrun; as a torchrun worker, join
-    the process group (data-parallel, ``fastdp.train.distributed``) and let rank 0 print the result."""
+    the process group (data-parallel, ``fastdp.engine.distributed``) and let rank 0 print the result."""
     config = _config(args)
     if launched_by_torchrun():
         if args.nproc is not None:

@@ -40,6 +40,7 @@ import torch
 from fastdp.algorithms import VARIANTS, Batch, Variant
 from fastdp.algorithms.base import check_compile, resolve_loss_scale
 from fastdp.engine.data import DPDataLoader
+from fastdp.engine.distributed import DataParallel, software_fingerprint, tensor_digest
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
 from fastdp.engine.privacy_engine import private_training
@@ -75,7 +76,6 @@ from fastdp.train.data import (
     precision_noise_multiplier,
     release_noise_multipliers,
 )
-from fastdp.train.distributed import DataParallel, software_fingerprint, tensor_digest
 from fastdp.train.models import build_model
 
 CHECKPOINT_VERSION = 1
@@ -422,7 +422,7 @@ class Trainer:
         return self.private and VARIANTS[self.config.variant].front_door is not None and self.config.compile is None
 
     def _join_process_group(self) -> None:
-        """Data-parallel run (``fastdp.train.distributed``): refuse ranks started with different settings or data,
+        """Data-parallel run (``fastdp.engine.distributed``): refuse ranks started with different settings or data,
         start from rank 0's weights, share OS-entropy samples, pad per-rank shards, and let rank 0 alone log."""
         d = self.distributed
         settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in _PER_RANK_FIELDS}

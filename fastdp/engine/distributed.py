@@ -1,8 +1,9 @@
 """Data-parallel DP training on ``torch.distributed``: N processes, one global Poisson batch, noise added once.
 
-``fastdp train --nproc N`` starts N processes with torchrun (``python -m torch.distributed.run --standalone
---nproc_per_node N -m fastdp.train.cli train ...``); each initialises the default process group from the torchrun
-environment (gloo on CPU, nccl on CUDA, rank r on ``cuda:LOCAL_RANK``) and runs the ordinary
+The front door's (``fastdp.PrivacyEngine`` finds an initialised process group: a user's script under torchrun),
+and so the CLI's. ``fastdp train --nproc N`` starts N processes with torchrun (``python -m torch.distributed.run
+--standalone --nproc_per_node N -m fastdp.train.cli train ...``); each initialises the default process group from
+the torchrun environment (gloo on CPU, nccl on CUDA, rank r on ``cuda:LOCAL_RANK``) and runs the ordinary
 :class:`fastdp.train.trainer.Trainer`, which finds the process group and hands its data-parallel work to
 :class:`DataParallel`. One step, on every rank r of W:
 
