@@ -3,7 +3,7 @@
 Each private variant's step in ``Trainer.run`` is the ordinary loop over ``PrivateModule`` and ``DPOptimizer`` (built
 by ``private_training``, as ``PrivacyEngine.make_private`` builds them), never the variant API's ``gradient``; its
 release equals the variant API's bitwise for the same batch and key (padding, micro-batches and fp16's loss scale
-included); the non-private baseline and ``--compile`` keep the variant API's step."""
+included), compiled (``--compile``) or not; the non-private baseline keeps the variant API's step."""
 
 import pytest
 import torch
@@ -91,11 +91,34 @@ def test_the_front_door_step_is_not_the_noiseless_sum():
     assert not all(torch.equal(p.grad, q.grad) for p, q in pairs)
 
 
-@pytest.mark.parametrize("config", [dict(variant="nonprivate"), dict(variant="dpsgd", compile="default",
-                                                                       compile_backend="eager")])  # fmt: skip
-def test_nonprivate_and_compiled_runs_keep_the_variant_step(config):
-    trainer = Trainer(TrainConfig(**{**BASE, **config}))
+def test_the_nonprivate_baseline_keeps_the_variant_step():
+    trainer = Trainer(TrainConfig(**{**BASE, "variant": "nonprivate"}))
     assert trainer.private_model is None and trainer.dp_optimizer is None and trainer.loader is None
+
+
+@pytest.mark.parametrize("variant", ["dpsgd", "backprop"])
+def test_compiled_runs_go_through_the_front_door_and_give_the_eager_run(variant, monkeypatch):
+    """--compile: the model's forward and backward compiled (graphs were made), the release compiled, the step still
+    the front door's (the variant API's gradient never called), and the run ends with the eager run's weights."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    states = []
+    for compile_mode in (None, "default"):
+        torch._dynamo.reset()
+        counters.clear()
+        if compile_mode is not None:
+            monkeypatch.setattr(Variant, "gradient", lambda *a, **k: pytest.fail("the variant API's step was taken"))
+        trainer = Trainer(TrainConfig(**{**BASE, "variant": variant, "pad": True, "compile": compile_mode,
+                                         "compile_backend": "aot_eager"}))  # fmt: skip
+        assert isinstance(trainer.dp_optimizer, DPOptimizer)
+        trainer.run()
+        if compile_mode is not None:
+            assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+        states.append(trainer.model.state_dict())
+    torch._dynamo.reset()
+    for key, value in states[0].items():
+        torch.testing.assert_close(states[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_grad_reduction_is_checked_and_the_user_facing_mean_refusal_under_autocast_stays():

@@ -254,7 +254,7 @@ class DPOptimizer(Optimizer):
         self._sums = None
         if self.parallel is not None:  # data-parallel: the global batch's sums, then noise once
             self.parallel.all_reduce_sum(sums)
-        self.variant.release(model, sums, self.steps_taken)
+        self.variant._release_step(model, sums, self.steps_taken)  # compiled after Variant.compile (the trainer's)
         if self.parallel is not None and not self.variant.keys.reproducible:
             self.parallel.broadcast_from_main([p.grad for p in params])  # rank 0's draw; the others' are discarded
         if self.grad_reduction == "sum":

@@ -3,8 +3,9 @@
 Every step: sample a batch (Poisson), then, for a private variant, the front door's loop
 (``fastdp.engine``: the model's forward through ``PrivateModule``, the masked summed loss, one
 backward, ``DPOptimizer.step()``, which releases the gradient, steps the optimizer and records
-the privacy event; docs/front-door.md, "The trainer"); for the non-private baseline and
-``--compile``, the variant API's step (the variant writes the gradient, the optimizer steps).
+the privacy event; docs/front-door.md, "The trainer"; with ``--compile`` the model's forward and
+backward and the release compiled); for the non-private baseline, the variant API's step (the
+variant writes the gradient, the optimizer steps).
 Per epoch: evaluate on the test split and log loss, accuracy (AUROC for binary tasks), epsilon so far and steps/s.
 Checkpoints hold the model, optimizer, accountant and sampler states, so a resumed
 run neither loses nor double-counts a step (and, with a reproducible privacy seed,
@@ -78,6 +79,9 @@ from fastdp.train.data import (
 )
 from fastdp.train.models import build_model
 
+# --compile through the front door: the model's forward is compiled without CUDA graphs (the DP layers' recorded
+# inputs must not live in a graph's memory pool that the next replay overwrites), as Variant.compile's release is
+FORWARD_COMPILE_MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
 CHECKPOINT_VERSION = 1
 # what a checkpoint of CHECKPOINT_VERSION holds (save_checkpoint), each checked before anything is loaded
 _CHECKPOINT_FIELDS = {
@@ -408,6 +412,9 @@ class Trainer:
             self.private_model, self.dp_optimizer = private_training(
                 self.model, self.optimizer, self.variant, self.accountant, loss_reduction="sum",
                 grad_reduction="mean", projections=self.projections, parallel=self.distributed)  # fmt: skip
+            if config.compile is not None:  # the model's forward (and its backward) compiled; the release is too
+                self.model.compile(mode=FORWARD_COMPILE_MODES.get(config.compile, config.compile),
+                                   backend=config.compile_backend)  # fmt: skip
         self.step = 0
         self.epoch = 0
         self.history: list[dict] = []
@@ -416,10 +423,11 @@ class Trainer:
     def _front_door(self) -> bool:
         """Whether the steps go through the front door (``fastdp.engine``: ``PrivateModule`` and ``DPOptimizer``,
         the ordinary forward, summed loss, backward and ``optimizer.step()``): every private variant (each has a
-        front door: "ghost" for dpsgd and jl, "output" for clipless, weightclip and backprop), uncompiled. The
-        non-private baseline and ``--compile`` run the variant API's step (:meth:`Variant.gradient`):
+        front door: "ghost" for dpsgd and jl, "output" for clipless, weightclip and backprop), compiled or not
+        (``--compile``: the model's forward and backward through ``torch.compile``, the variant's release compiled
+        by :meth:`Variant.compile`). The non-private baseline runs the variant API's step (:meth:`Variant.gradient`):
         docs/front-door.md, "The trainer"."""
-        return self.private and VARIANTS[self.config.variant].front_door is not None and self.config.compile is None
+        return self.private and VARIANTS[self.config.variant].front_door is not None
 
     def _join_process_group(self) -> None:
         """Data-parallel run (``fastdp.engine.distributed``): refuse ranks started with different settings or data,
