@@ -18,6 +18,7 @@ from pathlib import Path
 
 import harness
 import torch
+from resnet import ResNet18GN
 from torch import nn
 
 from fastdp.algorithms import DPSGD
@@ -62,6 +63,7 @@ def workloads() -> dict:
         "cnn-256": (lambda: build_model("opacus_cnn", (1, 28, 28), 10), images((1, 28, 28)), 256),
         "transformer-T64": (lambda: TokenTransformer(seq=64), tokens(64), 64),
         "transformer-T512": (lambda: TokenTransformer(seq=512), tokens(512), 64),
+        "resnet18gn-32": (ResNet18GN, images((3, 32, 32)), 32),  # CIFAR-10-shaped, 11.2M parameters
     }
 
 
