@@ -15,6 +15,9 @@ from fastdp.nn.layers import (
     GroupNorm,
     LayerNorm,
     Linear,
+    TransposedLinear,
+    attention_projections,
+    conversion,
 )
 from fastdp.nn.validate import (
     Problem,
@@ -30,6 +33,7 @@ from fastdp.nn.validate import (
 )
 
 __all__ = [
+    "DP_LAYERS",
     "Conv1d",
     "Conv2d",
     "DPLayer",
@@ -39,11 +43,13 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "Problem",
+    "TransposedLinear",
     "UnsupportedLayerError",
     "active_context",
     "batch_statistics_layers",
     "check_parameter_dtypes",
     "check_supported",
+    "conversion",
     "convert",
     "fix",
     "is_valid",
@@ -54,14 +60,22 @@ __all__ = [
 
 
 def convert(model: nn.Module) -> nn.Module:
-    """Turn every supported torch layer of ``model`` into its fastdp DP layer, in place, and check the rest.
+    """Turn every supported layer of ``model`` into its fastdp DP layer, in place, and check the rest.
 
+    Supported: the torch layers of :data:`~fastdp.nn.layers.DP_LAYERS`, their subclasses that do not override
+    ``forward`` (e.g. ``NonDynamicallyQuantizableLinear``, a user's ``nn.Linear`` subclass with methods of its own:
+    they keep their class, ``isinstance`` included; not the ``out_proj`` of an ``nn.MultiheadAttention``, which the
+    attention never calls) and HuggingFace's ``transformers.pytorch_utils.Conv1D``
+    (:class:`~fastdp.nn.layers.TransposedLinear`); see :func:`~fastdp.nn.layers.conversion` and ``docs/convert.md``.
     Parameters, buffers and hooks stay as they are (the class is swapped, nothing is copied), so an optimizer
-    built before the call keeps working. Raises :class:`UnsupportedLayerError` for trainable modules that have
-    no DP layer. Returns ``model``.
+    built before the call and the ``state_dict`` are unchanged. Raises one :class:`UnsupportedLayerError` naming
+    every module one-backward clipping cannot handle (:func:`check_supported`: trainable modules that are not DP
+    layers, with the reason where a subclass is refused; tied weights; layers that mix examples; Embeddings with
+    ``max_norm``). Returns ``model``.
     """
+    unconverted = attention_projections(model)  # never called by their attention: its weights are read directly
     for module in model.modules():
-        dp_class = DP_LAYERS.get(type(module))
+        dp_class, _ = conversion(module) if id(module) not in unconverted else (None, None)
         if dp_class is not None:
             module.__class__ = dp_class
     check_supported(model)

@@ -24,6 +24,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.parametrize
 from torch import nn
 
 from fastdp.nn.ghost import active_context
@@ -592,6 +593,41 @@ class GroupNorm(_AffineNorm, nn.GroupNorm):
         return t.flatten(2).sum(2)
 
 
+class TransposedLinear(DPLayer):
+    """A Linear whose weight is stored transposed, ``[in, out]``: HuggingFace's ``transformers.pytorch_utils.Conv1D``
+    (GPT-2's attention and MLP projections; ``y = x @ weight + bias`` over the last dimension). Mixed into the
+    module's own class by :func:`fastdp.nn.convert` (transformers is never imported here). The per-example norms,
+    clipped sums and JL projections are the DP :class:`Linear`'s, on the transposed view of the weight: its
+    clipped sum is transposed back into the module's ``[in, out]`` layout, its tangents transposed into Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = active_context()
+        if ctx is None or not self._trains():
+            return super().forward(x)
+        out = F.linear(x, self._detached("weight").t(), self._detached("bias"))
+        return ctx.tap(self, (_as_consumed(x),), out)
+
+    _flat = staticmethod(Linear._flat)
+    _per_example64 = Linear._per_example64
+    per_example_sq_norms = Linear.per_example_sq_norms  # a squared norm is the same for a transposed matrix
+
+    def per_example_projections(
+        self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Linear's projections with the weight's tangents [r, in, out] seen as [r, out, in] (a view)."""
+        if self.weight.requires_grad:
+            tangents = [tangents[0].transpose(1, 2), *tangents[1:]]
+        return Linear.per_example_projections(self, saved, grad_out, tangents, cache)
+
+    def clipped_grad_sums(
+        self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
+    ) -> list[torch.Tensor]:
+        sums = Linear.clipped_grad_sums(self, saved, grad_out, factors, cache)
+        if self.weight.requires_grad:
+            sums[0] = sums[0].t().contiguous()  # [out, in] -> the weight's [in, out]
+        return sums
+
+
 # torch module type -> its DP layer; convert() swaps classes in place (no state is added).
 DP_LAYERS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: Linear,
@@ -601,3 +637,92 @@ DP_LAYERS: dict[type[nn.Module], type[nn.Module]] = {
     nn.LayerNorm: LayerNorm,
     nn.GroupNorm: GroupNorm,
 }
+
+# Classes recognised by where they are defined, never imported: (module, qualname) -> the DP mixin.
+KNOWN_LAYERS: dict[tuple[str, str], type[DPLayer]] = {
+    ("transformers.pytorch_utils", "Conv1D"): TransposedLinear,
+}
+
+# Methods a subclass may not override to be converted: they decide what the layer computes, which the DP layer's
+# own forward (inside a DP step) and its per-example norms take to be the base layer's.
+FORWARD_METHODS = ("forward", "_conv_forward", "__call__", "_call_impl")
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def attention_projections(model: nn.Module) -> set[int]:
+    """``id``s of the output projections of ``model``'s ``nn.MultiheadAttention`` modules (its
+    ``NonDynamicallyQuantizableLinear`` ``out_proj``): the attention reads their weights directly and never calls
+    them, so :func:`fastdp.nn.convert` leaves them as they are (refused where trainable)."""
+    return {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+
+
+def _supported_base(cls: type) -> tuple[type | None, type | None]:
+    """(the supported layer class ``cls`` is or derives from, nearest first; its DP layer or mixin), or (None, None)."""
+    for klass in cls.__mro__:
+        if klass in DP_LAYERS:
+            return klass, DP_LAYERS[klass]
+        known = KNOWN_LAYERS.get((klass.__module__, klass.__qualname__))
+        if known is not None:
+            return klass, known
+    return None, None
+
+
+def conversion(module: nn.Module) -> tuple[type | None, str | None]:
+    """(the class :func:`fastdp.nn.convert` gives ``module``, or None; why it cannot, where ``module`` is a layer
+    of a supported kind that is not converted, else None).
+
+    An exact supported torch type gets its DP layer. A strict subclass of one (``NonDynamicallyQuantizableLinear``,
+    a user's subclass adding attributes or methods), or HF's ``Conv1D`` and its subclasses, gets a class derived
+    from (the DP layer, its own class), made once per class: its own attributes and methods stay, ``isinstance``
+    with its class stays true, parameters and ``state_dict`` are untouched. Refused: a subclass overriding one of
+    :data:`FORWARD_METHODS` (its output need not be the base layer's), a lazy module not yet initialised, and a
+    parametrized layer (``torch.nn.utils.parametrize``: its weight is computed from other parameters)."""
+    if isinstance(module, DPLayer):
+        return None, None
+    cls = type(module)
+    base, dp = _supported_base(cls)
+    if base is None:
+        return None, None
+    if base is cls and base in DP_LAYERS:
+        return dp, None
+    shown = f"{base.__module__}.{base.__qualname__}"
+    if isinstance(module, nn.modules.lazy.LazyModuleMixin):
+        return None, f"a lazy {base.__name__} not yet initialised: run one forward before fastdp.nn.convert"
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return None, (
+            f"a parametrized {base.__name__} (torch.nn.utils.parametrize): its weight is computed from parameters "
+            "of another module, which no per-example norm of the layer covers"
+        )
+    overridden = [name for klass in cls.__mro__[: cls.__mro__.index(base)] for name in FORWARD_METHODS
+                  if name in vars(klass)]  # fmt: skip
+    if overridden:
+        return None, (
+            f"a subclass of {shown} that overrides {', '.join(dict.fromkeys(overridden))}: its output need not be "
+            f"the {base.__name__}'s, so the {base.__name__}'s per-example norms need not be its gradients'; compute "
+            f"it with {base.__name__} layers it calls (or a plain {base.__name__})"
+        )
+    return _converted_class(dp, cls), None
+
+
+def _converted_class(dp: type, cls: type) -> type:
+    """The class derived from (``dp``, ``cls``), made once: named as ``cls`` (errors and ``repr`` show the user's
+    class), pickled through :func:`_reduce_converted`."""
+    made = _SUBCLASSES.get((dp, cls))
+    if made is None:
+        made = type(cls.__name__, (dp, cls), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__reduce_ex__": _reduce_converted,
+            "_fastdp_origin": (dp, cls),
+        })  # fmt: skip
+        _SUBCLASSES[(dp, cls)] = made
+    return made
+
+
+def _reduce_converted(self: nn.Module, protocol: int):
+    """Pickling (torch.save, copy.deepcopy) of a module of a class made by :func:`conversion`: the class is rebuilt
+    from (the DP layer, the module's own class), both importable, then the state is set as for any module."""
+    return _converted_instance, type(self)._fastdp_origin, self.__getstate__()
+
+
+def _converted_instance(dp: type, cls: type) -> nn.Module:
+    return object.__new__(_converted_class(dp, cls))

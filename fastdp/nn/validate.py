@@ -14,7 +14,8 @@ What a model must satisfy depends on the variant (``docs/validate.md``):
   InstanceNorm writing running statistics), no Embedding with ``max_norm`` (its forward writes the batch's tokens
   into the model), trainable parameters in float32 or float64;
 * ``dpsgd`` (ghost mode) and ``jl``: trainable parameters only in the DP layers of :data:`fastdp.nn.layers.DP_LAYERS`
-  (Linear, Conv1d, Conv2d, Embedding, LayerNorm, GroupNorm), none shared by two layers, trainable convolutions
+  (Linear, Conv1d, Conv2d, Embedding, LayerNorm, GroupNorm; their subclasses that keep their forward; HuggingFace's
+  Conv1D: :func:`fastdp.nn.layers.conversion`), none shared by two layers, trainable convolutions
   with ``padding_mode='zeros'`` and integer padding, trainable embeddings dense;
 * ``dpsgd-reference`` (``DPSGD(mode='reference')``): any module torch.func differentiates per example (dense
   embeddings);
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastdp.nn.layers import DP_LAYERS, DPLayer, own_trainable
+from fastdp.nn.layers import DP_LAYERS, DPLayer, attention_projections, conversion, own_trainable
 
 __all__ = [
     "PARAMETER_DTYPES",
@@ -146,8 +147,9 @@ def renorms_embedding_rows(module: nn.Module) -> bool:
 
 
 def _dp_convertible(module: nn.Module) -> bool:
-    """Whether DP-SGD (ghost) and JL clip ``module``'s parameters: a DP layer, or a torch layer ``convert`` swaps."""
-    return isinstance(module, DPLayer) or type(module) in DP_LAYERS
+    """Whether DP-SGD (ghost) and JL clip ``module``'s parameters: a DP layer, or a layer ``convert`` swaps (a
+    supported torch layer, a subclass of one not overriding its forward, HF's Conv1D: :func:`conversion`)."""
+    return isinstance(module, DPLayer) or conversion(module)[0] is not None
 
 
 def _backprop_layer(module: nn.Module) -> bool:
@@ -178,12 +180,13 @@ def _same_padding(conv: nn.Module) -> tuple[int, ...] | None:
 
 def check_supported(model: nn.Module) -> None:
     """Raise :class:`UnsupportedLayerError` for modules one-backward clipping cannot handle: trainable modules that
-    are not DP layers, layers that mix examples (:func:`mixes_examples`, trainable or not), a
+    are not DP layers (with the reason where a subclass of a supported layer is not converted,
+    :func:`~fastdp.nn.layers.conversion`), layers that mix examples (:func:`mixes_examples`, trainable or not), a
     parameter shared by two DP layers (tied weights: its per-example gradient sums both uses), and Embeddings with
-    ``max_norm`` (:func:`renorms_embedding_rows`).
+    ``max_norm`` (:func:`renorms_embedding_rows`). One error names every such module, all kinds together.
 
     One walk over the modules (DP-SGD calls it every step: train/eval mode and ``requires_grad`` can change)."""
-    bad, mixing, renorming = [], [], []
+    bad, mixing, renorming, tied = [], [], [], []
     owners: dict[int, str] = {}
     for name, module in model.named_modules():
         if renorms_embedding_rows(module):
@@ -197,26 +200,35 @@ def check_supported(model: nn.Module) -> None:
             continue
         for p in trainable:
             if id(p) in owners:
-                raise UnsupportedLayerError(
-                    f"a parameter is shared by {owners[id(p)]} and {name} (tied weights); one-backward clipping "
-                    "needs each parameter in one layer: use DPSGD(mode='reference')"
+                tied.append(
+                    f"a parameter is shared by {owners[id(p)]} and {_display(name)} (tied weights); one-backward "
+                    "clipping needs each parameter in one layer: use DPSGD(mode='reference')"
                 )
-            owners[id(p)] = _display(name)
+            else:
+                owners[id(p)] = _display(name)
+    messages = list(tied)
     if bad:
         lines = []
         for name, module in bad:
             kind = type(module).__name__
+            _, why = conversion(module)
             hint = _hint(kind)
-            lines.append(f"  {_display(name)} ({kind})" + (f": use {hint}" if hint else ""))
+            lines.append(f"  {_display(name)} ({kind})" + (f": {why}" if why else f": use {hint}" if hint else ""))
         supported = ", ".join(sorted(t.__name__ for t in DP_LAYERS))
-        raise UnsupportedLayerError(
+        messages.append(
             "these modules have trainable parameters that DP-SGD's one-backward clipping cannot handle:\n"
             + "\n".join(lines)
-            + f"\nSupported layers: {supported} (torch modules are converted by fastdp.nn.convert). Freeze the "
-            "others (requires_grad=False), replace them, or use DPSGD(mode='reference') for arbitrary modules."
+            + f"\nSupported layers: {supported}, their subclasses that keep their forward, and HuggingFace's Conv1D "
+            "(converted by fastdp.nn.convert). Freeze the others (requires_grad=False), replace them, or use "
+            "DPSGD(mode='reference') for arbitrary modules."
         )
-    refuse_batch_statistics(mixing)
-    refuse_renormed_embeddings(renorming)
+    for refuse, layers in ((refuse_batch_statistics, mixing), (refuse_renormed_embeddings, renorming)):
+        try:
+            refuse(layers)
+        except UnsupportedLayerError as error:
+            messages.append(str(error))
+    if messages:
+        raise UnsupportedLayerError("\n".join(messages))
 
 
 def refuse_batch_statistics(layers: list[str], why: str = "") -> None:
@@ -406,6 +418,9 @@ def _unsupported_problem(name: str, module: nn.Module, variant: str) -> Problem:
         alternative = "freeze it (requires_grad_(False)), replace it, or use variant 'dpsgd'"
         return Problem(name, kind, "unsupported-layer", what, alternative)
     what = f"trainable parameters ({params}) in a module that is not a DP layer, so no per-example norm covers them"
+    _, why = conversion(module)
+    if why is not None:
+        what += f" ({why})"
     hint = _hint(kind)
     if hint is None and not type(module).__module__.startswith("torch."):  # the user's own module's Parameter
         hint = (
@@ -586,8 +601,11 @@ def validate(model: nn.Module, variant="dpsgd", strict: bool = False) -> list[Pr
     problems: list[Problem] = []
     if name != "nonprivate":
         order = {id(m): i for i, m in enumerate(model.modules())}
+        attention = attention_projections(model) if name in ("dpsgd", "jl") else set()
         for path, module in model.named_modules():
             problems += _layer_problems(path, module, name)
+            if id(module) in attention and own_trainable(module) and not isinstance(module, DPLayer):
+                problems.append(_unsupported_problem(path, module, name))  # convert() leaves it: never called
         if name in ("dpsgd", "jl", "backprop"):
             problems += _shared_parameter_problems(model, name)
         if name in ("clipless", "weightclip"):
