@@ -107,3 +107,51 @@ def test_an_inconclusive_batch_is_probed_again():
     step(variant, model, zeros, torch.zeros(4, dtype=torch.long))
     with pytest.raises(UnsupportedLayerError, match="per-example losses"):
         step(variant, model, torch.randint(0, 5, (4, 3)), torch.zeros(4, dtype=torch.long), 1)
+
+
+class SharedPositions(nn.Module):
+    """Token embeddings plus position embeddings looked up with one [T] index shared by the batch (broadcast): with
+    T == B the position layer's rows pass every shape check but are positions, and each row of its output gradient
+    sums every example's."""
+
+    def __init__(self, vocab: int = 20, positions: int = 6, d: int = 8, cls: bool = False) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(vocab, d), nn.Embedding(positions, d), nn.Linear(d, 3)
+        self.positions, self.cls = positions, cls
+
+    def forward(self, x):
+        if self.cls:  # a per-example constant index, batch-first: [B, T], every row its example's own (valid)
+            index = torch.arange(self.positions).expand(x.shape[0], self.positions)
+        else:
+            index = torch.arange(self.positions)
+        return self.head((self.tok(x) + self.pos(index)).mean(1))
+
+
+@pytest.mark.parametrize("name", ["dpsgd", "dpsgd-per-layer", "jl"])
+def test_a_position_index_shared_by_as_many_examples_as_positions_is_refused(name):
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 20, (6, 6), generator=gen), torch.randint(0, 3, (6,), generator=gen)
+    variant = make_variant(name, 3, 60)
+    with pytest.raises(UnsupportedLayerError, match=r"pos \(Embedding\), output gradient"):
+        variant.gradient(SharedPositions(), Batch(x, y, torch.ones(6, dtype=torch.bool)), 0)
+    variant = make_variant(name, 3, 60)  # the same index expanded to [B, T]: rows are examples, it trains
+    variant.gradient(SharedPositions(cls=True), Batch(x, y, torch.ones(6, dtype=torch.bool)), 0)
+
+
+def test_the_front_door_refuses_a_shared_position_index_too():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fastdp import PrivacyEngine
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 20, (60, 6), generator=gen), torch.randint(0, 3, (60,), generator=gen)
+    model = SharedPositions()
+    engine = PrivacyEngine(accountant="rdp")
+    model, optimizer, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                              data_loader=DataLoader(TensorDataset(x, y), batch_size=6),
+                                              noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x[:6]), y[:6]).backward()
+    with pytest.raises(UnsupportedLayerError, match=r"pos \(Embedding\), output gradient"):
+        optimizer.step()
+    assert engine.accountant.steps == 0

@@ -27,8 +27,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from fastdp.nn.ghost import output_gradients
 from fastdp.nn.layers import own_trainable
-from fastdp.nn.rows import RowProbe
+from fastdp.nn.rows import RowProbe, row_functional
 from fastdp.nn.validate import check_parameter_dtypes
 from fastdp.ops import add_noise_
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
@@ -247,9 +248,15 @@ class Variant(abc.ABC):
         def losses(x: torch.Tensor) -> torch.Tensor:
             return self.loss_fn(self._forward(model, x), batch.y)
 
+        gradients = None
+        if self.front_door == "ghost" and getattr(self, "mode", "ghost") == "ghost":  # G's rows must be examples too
+
+            def gradients(x: torch.Tensor) -> list:
+                return output_gradients(lambda: row_functional([self._forward(model, x)]))
+
         with torch.no_grad():
             probe.check(losses, model, batch.x, self.row_layers(model), f"variant {self.name!r}",
-                        before=lambda: self.check_model(model))  # fmt: skip
+                        before=lambda: self.check_model(model), gradients=gradients)  # fmt: skip
 
     def check_model(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook, nothing by default
         """Refuse a model the variant cannot bound, naming what is wrong; run before the row probe (when one is due),

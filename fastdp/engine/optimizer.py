@@ -35,7 +35,8 @@ from fastdp.algorithms.base import Variant, sum_dtype, trainable_parameters
 from fastdp.algorithms.dpsgd import GhostBackward
 from fastdp.engine.module import PrivateModule, Recorded
 from fastdp.nn import check_supported
-from fastdp.nn.rows import RowProbe
+from fastdp.nn.ghost import output_gradients
+from fastdp.nn.rows import RowProbe, row_functional
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -203,15 +204,25 @@ class DPOptimizer(Optimizer):
         change when one example's input does (its row replaced in every batch-first tensor of the forward's
         arguments: tensors, tuples, dicts, keywords); once per input signature."""
 
-        def outputs(structure: tuple) -> torch.Tensor:
+        def batch_rows(structure: tuple) -> list[torch.Tensor]:
             args, kwargs = structure
-            rows = [t.reshape(n, -1).double() for t in tree_flatten(model(*args, **kwargs))[0]
-                    if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n]  # fmt: skip
+            leaves = tree_flatten(model(*args, **kwargs))[0]
+            return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim()
+                    and t.shape[0] == n]  # fmt: skip
+
+        def outputs(structure: tuple) -> torch.Tensor:
+            rows = [t.reshape(n, -1).double() for t in batch_rows(structure)]
             return torch.cat(rows, 1) if rows else torch.zeros(n, 1, dtype=torch.float64)
+
+        gradients = None
+        if self.variant.front_door == "ghost":  # the DP layers' output gradients' rows must be examples too
+
+            def gradients(structure: tuple) -> list:
+                return output_gradients(lambda: row_functional(batch_rows(structure)))
 
         with torch.no_grad():
             self._probe.check(outputs, model, inputs, self.variant.row_layers(model), f"variant {self.variant.name!r}",
-                              before=lambda: self.variant.check_model(model), batch=n)  # fmt: skip
+                              before=lambda: self.variant.check_model(model), batch=n, gradients=gradients)  # fmt: skip
 
     def pre_step(self) -> bool:
         """Add the clipped sums of the forwards since the last step; whether this step releases (not skipped)."""

@@ -79,3 +79,13 @@ class GhostClipping:
 def active_context() -> GhostClipping | None:
     """The GhostClipping context of the current thread, if a DP step's forward is running."""
     return getattr(_state, "context", None)
+
+
+def output_gradients(scalar_of) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+    """``(layer, G)`` of every DP layer call in one forward and one backward of ``scalar_of()`` (a scalar computed by
+    a forward of the model), in call order: what the row probe (``fastdp.nn.rows``) compares between two batches."""
+    with torch.enable_grad(), GhostClipping() as ctx:
+        total = scalar_of()
+        if total.requires_grad:
+            total.backward()
+    return [(r.layer, r.grad if r.grad is not None else torch.zeros(r.shape, dtype=r.dtype)) for r in ctx.records]

@@ -43,9 +43,26 @@ def _fingerprint(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     flat = t.detach().reshape(t.shape[0], -1)
     finite = torch.isfinite(flat) if flat.is_floating_point() else torch.ones_like(flat, dtype=torch.bool)
     clean = torch.where(finite, flat, 0).double()
-    # a fixed direction with incommensurate entries, computed, not drawn (the probe makes no random draw of its own)
-    direction = torch.sin(torch.arange(1, clean.shape[1] + 1, device=t.device, dtype=torch.float64) * 12.9898 + 78.233)
+    direction = _direction(clean.shape[1], t.device)
     return clean @ direction, clean.pow(2).sum(1), (~finite).sum(1), float(direction.norm())
+
+
+def _direction(size: int, device: torch.device) -> torch.Tensor:
+    """A fixed float64 direction with incommensurate entries, computed, not drawn (the probe makes no random draw of
+    its own)."""
+    return torch.sin(torch.arange(1, size + 1, device=device, dtype=torch.float64) * 12.9898 + 78.233)
+
+
+def row_functional(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Half the squared projection of each example's output rows on a fixed direction, summed over the examples: the
+    per-example "loss" the front door's probe backpropagates (the user's loss is not known to it). Squared, so that
+    example i's output gradient depends on its output (a linear functional's would be constant, and a layer whose
+    rows are not examples would go unseen behind a linear head)."""
+    total = torch.zeros((), dtype=torch.float64, device=rows[0].device if rows else None)
+    for r in rows:
+        flat = r.reshape(r.shape[0], -1).double()
+        total = total + (flat @ _direction(flat.shape[1], r.device)).square().sum() / 2
+    return total
 
 
 def _rows_differ(before: tuple, after: tuple, keep: torch.Tensor) -> bool:
@@ -112,12 +129,16 @@ def _same_randomness(device: torch.device):
 
 
 def probe_rows(
-    run, model: nn.Module, x, layers: list[nn.Module], what: str, batch: int | None = None
+    run, model: nn.Module, x, layers: list[nn.Module], what: str, batch: int | None = None, gradients=None
 ) -> set[int] | None:
     """Run ``run(x)`` (per-example losses or outputs, [B, ...]) on ``x`` and on ``x`` with one example's input
     replaced, watching the inputs of ``layers``; raise :class:`UnsupportedLayerError` if another example's loss or
-    another row of a watched layer's input changed. ``x`` is a batch-first tensor, or any structure of them (tuples,
-    lists, dicts: a forward's ``(args, kwargs)``, with ``batch`` its number of examples): the example's row is
+    another row of a watched layer's input changed. ``gradients(x)`` (ghost clipping): the output gradients G of the
+    DP layers' calls, in call order, for one backward of the summed per-example losses; another example's row of a
+    G must not change either (a layer whose input does not come from the batch, e.g. a position index shared by the
+    examples whose length equals the batch size, has rows that are positions: each row of its G sums every
+    example). ``x`` is a batch-first tensor, or any structure of them (tuples, lists, dicts: a forward's
+    ``(args, kwargs)``, with ``batch`` its number of examples): the example's row is
     replaced in every batch-first tensor. Returns the sizes seen inside the model (every non-leading dimension of the
     watched inputs and outputs), or None if the probe was inconclusive (fewer than two distinct examples)."""
     batch = x.shape[0] if batch is None else batch
@@ -161,24 +182,35 @@ def probe_rows(
         finally:
             for handle in handles:
                 handle.remove()
-        runs.append((losses, seen))
-    (losses, seen), (losses_p, seen_p) = runs
+        grads = None
+        if gradients is not None:
+            with _same_randomness(device):
+                torch.manual_seed(_PROBE_SEED)
+                grads = [(layer, g.shape, _fingerprint(g) if g.dim() and g.shape[0] == batch else None)
+                         for layer, g in gradients(inputs)]  # fmt: skip
+        runs.append((losses, seen, grads))
+    (losses, seen, grads), (losses_p, seen_p, grads_p) = runs
     mixed = []
     if _rows_differ(_fingerprint(losses.reshape(batch, -1)), _fingerprint(losses_p.reshape(batch, -1)), keep):
         mixed.append("the per-example losses (the loss or the model mixes examples)")
     for (layer, shape, summary, _), (_, _, summary_p, _) in zip(seen, seen_p, strict=False):
         if summary is None or summary_p is None or _rows_differ(summary, summary_p, keep):
             mixed.append(f"{names.get(id(layer), '?')} ({type(layer).__name__}), input of shape {tuple(shape)}")
-    if len(seen) != len(seen_p):
+    if len(seen) != len(seen_p) or (grads is not None and len(grads) != len(grads_p)):
         mixed.append("the layers called (the model's control flow depends on the data)")
+    for (layer, shape, summary), (_, _, summary_p) in zip(grads or [], grads_p or [], strict=False):
+        if summary is None or summary_p is None or _rows_differ(summary, summary_p, keep):
+            mixed.append(f"{names.get(id(layer), '?')} ({type(layer).__name__}), output gradient of shape "
+                         f"{tuple(shape)} (its rows are not the examples: an input shared by the batch?)")  # fmt: skip
     if mixed:
         raise UnsupportedLayerError(
             f"{what} needs each row of the batch to be one example, but changing example {k} alone changed other "
             "rows of: " + "; ".join(dict.fromkeys(mixed)) + ". A layer called on a sequence-first [T, B, ...] view "
             "(e.g. nn.MultiheadAttention or an RNN without batch_first=True, or a transpose before a Linear) is "
             "applied per position, not per example, and an operation over the batch dimension (batch statistics, "
-            "a layer applied along it) makes one example change the others: keep inputs batch-first and every "
-            "example's computation its own"
+            "a layer applied along it) makes one example change the others, and a layer called on an input shared "
+            "by the batch (a [T] position index broadcast over the examples) has rows that are not examples: keep "
+            "inputs batch-first (expand shared indices to [B, T]) and every example's computation its own"
         )
     sizes = set()
     for _, shape, _, out in seen:
@@ -195,7 +227,15 @@ class RowProbe:
         self._done: set[tuple] = set()
 
     def check(
-        self, run, model: nn.Module, x, layers: list[nn.Module], what: str, before=None, batch: int | None = None
+        self,
+        run,
+        model: nn.Module,
+        x,
+        layers: list[nn.Module],
+        what: str,
+        before=None,
+        batch: int | None = None,
+        gradients=None,
     ) -> None:
         """Probe ``model`` on ``x`` (a batch-first tensor, or a structure of them with ``batch`` examples: see
         :func:`probe_rows`) unless a batch of the same signature was probed; ``before()`` runs first when a probe is
@@ -209,7 +249,7 @@ class RowProbe:
             return
         if before is not None:
             before()
-        sizes = probe_rows(run, model, x, layers, what, batch)
+        sizes = probe_rows(run, model, x, layers, what, batch, gradients)
         if sizes is None:
             return  # inconclusive: probe again with the next batch
         self._inner[key] = self._inner.get(key, set()) | sizes
