@@ -175,6 +175,19 @@ class Tied(nn.Module):
         return self.head(self.b(torch.tanh(self.a(x))))
 
 
+class SharedIndex(nn.Module):
+    """An Embedding looked up with an index shared by the batch whose length is the batch size (``arange(B)``, like
+    a position index when T == B), its rows averaged into every example: rows that are not examples."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin, self.pos, self.head = nn.Linear(d, 8), nn.Embedding(64, 8), nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        shared = self.pos(torch.arange(x.shape[0], device=x.device)).mean(0)
+        return self.head(torch.tanh(self.lin(x) + shared))
+
+
 class EvalBatchNorm(nn.Module):
     """BatchNorm1d without running statistics, in eval mode: batch statistics all the same (hole 2)."""
 
@@ -269,6 +282,7 @@ def architectures() -> dict[str, Callable]:
         "sequence-first": seeded(lambda draw: Architecture(SequenceFirst(4, 8), "sequence", (0, 4))),  # T := B
         "reused": seeded(lambda draw: Architecture(Reused(5), "vector", (5,))),
         "tied": seeded(lambda draw: Architecture(Tied(5), "vector", (5,))),
+        "shared-index": seeded(lambda draw: Architecture(SharedIndex(5), "vector", (5,))),
         "batchnorm-eval": seeded(lambda draw: Architecture(EvalBatchNorm(5), "vector", (5,))),
         "lipschitz": _lipschitz,
     }
@@ -281,6 +295,9 @@ ARCHITECTURES = tuple(architectures())
 # Low-precision parameters (precision "param-bf16") too, for every private variant.
 MUST_REFUSE = {
     "sequence-first": ("dpsgd", "dpsgd-per-layer", "jl", "backprop", *FRONT_DOOR),
+    # ghost clipping's rows of the shared-index Embedding are not examples (the other variants refuse the Embedding
+    # or, the reference, take each example's own gradient)
+    "shared-index": ("dpsgd", "dpsgd-per-layer", "jl", "front-door", "front-door-jl"),
     "batchnorm-eval": VARIANTS,
 }
 

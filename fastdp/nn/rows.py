@@ -11,10 +11,14 @@ example's input replaced by another example's, and requires that nothing else ch
 other examples, and the other rows of every watched layer's input. Same shapes, same kernels, same dropout masks
 (the generator state is forked and reset for both runs), so an unchanged row is bitwise unchanged; rows are compared
 through small float64 fingerprints (a random projection, the squared norm, the non-finite count: no activation is
-kept), with a tolerance of ``TOLERANCE`` of each row's norm for kernels that are not bitwise reproducible. A batch
-whose examples are all the same is probed on random inputs of its shape instead (for token ids: ids up to the batch's
-largest); an experiment that stays inconclusive (a batch of one, or of token id 0 only) says so, proves nothing, and
-the next batch is probed.
+kept), with a tolerance of ``TOLERANCE`` of each row's norm for kernels that are not bitwise reproducible. With
+ghost clipping the probe also runs one backward per input (of a squared per-example functional of the outputs) and
+requires that the other examples' rows of every DP layer's output gradient do not change either: a layer on an
+input shared by the batch (a position index whose length happens to equal the batch size) has rows that are not
+examples, though its input rows never change. A batch whose examples are all the same, or that holds a non-finite
+entry (NaN rows would hide a change), is probed on random inputs of its shape instead (for token ids: ids up to
+the batch's largest); an experiment that stays inconclusive (a batch of one, or of token id 0 only) says so, proves
+nothing, and the next batch is probed.
 
 Models whose computation does not depend on the data's values (no data-dependent control flow over the batch) give
 the same answer for every batch of the same shape; :class:`RowProbe` therefore probes once per shape signature: the
@@ -146,8 +150,10 @@ def probe_rows(
     if batch < 2 or not rows:
         return None
     device = rows[0].device
-    pick = _pick(x, batch)
-    if pick is None:  # every example is the same: probe on random inputs of the batch's shape (and value range)
+    finite = all(bool(torch.isfinite(t).all()) for t in rows if t.is_floating_point())
+    pick = _pick(x, batch) if finite else None
+    if pick is None:  # every example the same, or a non-finite one (NaN rows would hide a change): random inputs of
+        # the batch's shape (and value range)
         gen = torch.Generator(device=device).manual_seed(_PROBE_SEED)
         x = _map_rows(lambda t: _random_like(t, gen), x, batch)
         pick = _pick(x, batch)
