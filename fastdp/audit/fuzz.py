@@ -264,7 +264,8 @@ def architectures() -> dict[str, Callable]:
         return Architecture(Tokenwise(d, hidden, draw(st.booleans())), "sequence", (seq, d))
 
     def tokens(draw):
-        vocab, seq = draw(st.sampled_from([3, 5, 50])), draw(st.sampled_from([3, 4, 6]))
+        # vocabulary 3 over 32 positions: the scatter path (64 V < T^2); the others: token matches
+        vocab, seq = draw(st.sampled_from([3, 5, 50])), draw(st.sampled_from([3, 4, 6, 32]))
         return Architecture(TokenModel(vocab, 4, seq, draw(st.booleans())), "tokens", (seq,), vocab=vocab)
 
     return {
