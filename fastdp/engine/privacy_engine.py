@@ -76,7 +76,12 @@ from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
 from fastdp.nn import validate
 from fastdp.nn.lipschitz import LipschitzLoss, OutputGradientBound, TauCrossEntropy
-from fastdp.privacy.accounting import PrivacyAccountant, get_noise_multiplier, truncation_delta
+from fastdp.privacy.accounting import (
+    PrivacyAccountant,
+    check_delta_for_data,
+    get_noise_multiplier,
+    truncation_delta,
+)
 from fastdp.privacy.rng import check_reproducible_seed
 
 ACCOUNTANTS = {"rdp": "rdp", "pld": "pld", "prv": "pld"}
@@ -321,13 +326,7 @@ class PrivacyEngine:
     def _check_delta(delta: float, n: int, allow_large: bool) -> None:
         if not (isinstance(delta, (int, float)) and 0 < delta < 1):
             raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-        if delta >= 1 / n and not allow_large:
-            raise ValueError(
-                f"delta={delta:g} is >= 1/N = 1/{n} for the {n} training examples: publishing one training example "
-                f"chosen at random, verbatim, is (0, 1/N)-DP, so a delta this large permits releasing an example "
-                f"outright. Use a delta well below 1/N (e.g. 1/(10 N) = {0.1 / n:.3g}), or pass allow_large_delta=True "
-                "to make_private if you know why you need it"
-            )
+        check_delta_for_data(delta, n, allow_large, "allow_large_delta=True to make_private")
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon of the steps taken so far at ``delta``: the accountant's at ``delta`` minus the noise's truncation

@@ -49,6 +49,7 @@ import numpy as np
 __all__ = [
     "MECHANISMS",
     "PrivacyAccountant",
+    "check_delta_for_data",
     "effective_noise_multiplier",
     "gdp_mu",
     "gdp_to_epsilon",
@@ -379,6 +380,20 @@ class PrivacyAccountant:
 # ----------------------------------------------------------------------------------------------------------------
 # Calibration
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def check_delta_for_data(delta: float, num_examples: int, allow_large: bool, how_to_allow: str, data: str = "") -> None:
+    """Refuse ``delta >= 1/N`` for N training examples unless ``allow_large``: publishing one example chosen at random,
+    verbatim, is (0, 1/N)-DP, so such a delta permits releasing an example outright. ``how_to_allow`` names the
+    caller's switch; ``data`` (e.g. " of breast_cancer") names the data set in the message."""
+    n = num_examples
+    if delta >= 1 / n and not allow_large:
+        raise ValueError(
+            f"delta={delta:g} is >= 1/N = 1/{n} = {1 / n:.3g} for the {n} training examples{data}: publishing one "
+            "training example chosen at random, verbatim, is (0, 1/N)-DP, so a delta this large permits releasing an "
+            f"example outright. Use a delta well below 1/N (e.g. 1e-5, or 1/(10 N) = {0.1 / n:.3g}), or pass "
+            f"{how_to_allow} if you know why you need it (e.g. to compare with a paper that used delta = 1/N)"
+        )
 
 
 def get_noise_multiplier(

@@ -48,6 +48,7 @@ from fastdp.engine.privacy_engine import private_training
 from fastdp.privacy.accounting import (
     MECHANISMS,
     PrivacyAccountant,
+    check_delta_for_data,
     get_noise_multiplier,
     solve_noise_multiplier,
     truncation_delta,
@@ -350,14 +351,9 @@ class Trainer:
             raise ValueError(f"batch size {config.batch_size} exceeds the {n} training examples of {self.raw.name}")
         self.private = VARIANTS[config.variant].private
         self.standardize = self._standardize_mode()
-        if self.private and config.delta >= 1 / n and not config.allow_large_delta:
-            raise ValueError(
-                f"delta={config.delta:g} is >= 1/N = 1/{n} = {1 / n:.3g} for the {n} training examples of "
-                f"{self.raw.name}: publishing one training example chosen at random, verbatim, is (0, 1/N)-DP, so a "
-                f"delta this large permits releasing an example outright. Use a delta well below 1/N (e.g. 1e-5, or "
-                f"1/(10 N) = {0.1 / n:.3g}), or pass --allow-large-delta (allow_large_delta=True) if you know why you "
-                "need it (e.g. to compare with a paper that used delta = 1/N)"
-            )
+        if self.private:
+            check_delta_for_data(config.delta, n, config.allow_large_delta,
+                                 "--allow-large-delta (allow_large_delta=True)", f" of {self.raw.name}")  # fmt: skip
         self.model = build_model(config.model, self.data.input_shape, self.data.num_classes, hidden=config.hidden,
                                  input_bound=config.input_bound, max_weight_norm=config.max_weight_norm)  # fmt: skip
         needs = {"clipless": "lipschitz_mlp", "weightclip": "weightclip_mlp"}.get(config.variant)
