@@ -106,14 +106,15 @@ def _pick(x, batch: int) -> tuple[int, int] | None:
 
 
 def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Random values of ``t``'s shape and dtype (and value range, for integers: token ids, masks)."""
+    """Random values of ``t``'s shape and dtype (and value range, for integers: token ids and masks up to the largest;
+    negative entries, e.g. labels -100 that a loss ignores, kept where they are)."""
     if t.is_floating_point():
         return torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype)
     if t.dtype == torch.bool:
         return torch.randint(0, 2, t.shape, generator=gen, device=t.device).bool()
     high = int(t.max()) + 1 if t.numel() else 1
-    return torch.randint(min(0, int(t.min())) if t.numel() else 0, max(high, 1), t.shape, generator=gen,
-                         device=t.device, dtype=t.dtype)  # fmt: skip
+    drawn = torch.randint(0, max(high, 1), t.shape, generator=gen, device=t.device, dtype=t.dtype)
+    return torch.where(t < 0, t, drawn)
 
 
 def input_signature(x, batch: int) -> tuple:
