@@ -16,7 +16,7 @@ def test_the_fast_slice_finds_no_violation_crash_or_missing_refusal():
     assert {"ok", "refused"} <= statuses  # both kinds of outcome were exercised
 
 
-@pytest.mark.parametrize("architecture", ["sequence-first", "batchnorm-eval"])
+@pytest.mark.parametrize("architecture", ["sequence-first", "batchnorm-eval", "shared-lookup-row0"])
 def test_cases_that_break_the_bound_are_refused_by_every_private_variant(architecture):
     report = fuzz.run_fuzz(30, fuzz_seed=2, architectures_=(architecture,), precisions=("fp32", "fp64"))
     assert report.passed, fuzz.format_report(report)
@@ -43,3 +43,16 @@ def test_jl_in_fp32_with_cancelling_positions_is_within_its_bound():
     assert report.passed and not fuzz.KNOWN_OPEN
     assert not any(o.status == "open" for o in report.outcomes)
     assert any(o.case.attack == "cancel" and o.status == "ok" for o in report.outcomes)
+
+
+def test_shared_parameters_are_measured_within_their_bound():
+    """Tied weights, a layer called twice and a language model's tied embeddings with a [1, T] position index are no
+    longer refused by DP-SGD and JL: their per-example gradients sum the uses (fastdp.nn.forms), and each example's
+    leave-one-out change is within the bound, cancelling attacks included."""
+    variants = ("dpsgd", "jl", "front-door", "front-door-jl")
+    report = fuzz.run_fuzz(90, fuzz_seed=4, architectures_=("tied", "reused", "tied-tokens"), variants=variants,
+                           precisions=("fp32", "fp64"))  # fmt: skip
+    assert report.passed, fuzz.format_report(report)
+    measured = {(o.case.architecture, o.case.variant) for o in report.outcomes if o.status == "ok"}
+    assert {a for a, _ in measured} == {"tied", "reused", "tied-tokens"}
+    assert {v for _, v in measured} >= {"dpsgd", "jl"}

@@ -155,3 +155,51 @@ def test_the_front_door_refuses_a_shared_position_index_too():
     with pytest.raises(UnsupportedLayerError, match=r"pos \(Embedding\), output gradient"):
         optimizer.step()
     assert engine.accountant.steps == 0
+
+
+class BroadcastPositions(nn.Module):
+    """Position embeddings looked up with an index shared by the batch, as transformers models do: ``[1, T]``
+    (``shape="row"``), ``[T]`` (``"flat"``), or ``[1, T]`` read back as ``pos[0]`` (``"first"``): once the lookup is
+    expanded to the batch, row 0 is example 0's, and every example's gradient would flow through it."""
+
+    def __init__(self, shape: str, vocab: int = 20, positions: int = 6, d: int = 8) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(vocab, d), nn.Embedding(positions, d), nn.Linear(d, 3)
+        self.positions, self.shape = positions, shape
+
+    def forward(self, x):
+        index = torch.arange(x.shape[1])
+        if self.shape == "flat":
+            return self.head((self.tok(x) + self.pos(index)).mean(1))
+        pos = self.pos(index.unsqueeze(0))
+        return self.head((self.tok(x) + (pos[0] if self.shape == "first" else pos)).mean(1))
+
+
+@pytest.mark.parametrize("shape", ["row", "flat"])
+def test_a_position_index_shared_by_the_batch_gives_exact_per_example_sums(shape):
+    """The shared index is expanded to the batch inside the Embedding: the position table's per-example gradients are
+    each example's own (float64, against torch.func), with the [T] index too when T is not the batch size."""
+    from fastdp.algorithms.base import per_example_cross_entropy
+    from fastdp.algorithms.dpsgd import clipped_gradient_sum, ghost_clipped_gradient_sum
+    from fastdp.nn import convert
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 20, (5, 4), generator=gen), torch.randint(0, 3, (5,), generator=gen)
+    batch = Batch(x, y, torch.ones(5, dtype=torch.bool))
+    torch.manual_seed(0)
+    model = BroadcastPositions(shape).double()
+    expected, _ = clipped_gradient_sum(model, per_example_cross_entropy, batch, 0.3)
+    sums, _ = ghost_clipped_gradient_sum(convert(model), per_example_cross_entropy, batch, 0.3)
+    for s, e in zip(sums, expected, strict=True):
+        torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-14)
+    make_variant("dpsgd", 3, 60).gradient(model, batch, 0)  # the row probe accepts it
+
+
+@pytest.mark.parametrize("name", ["dpsgd", "jl"])
+def test_a_shared_lookup_read_back_through_one_row_is_refused(name):
+    """``pos[0]`` of the expanded lookup: perturbing example 0 changes only row 0 (its own), so the probe also
+    replaces the last example, whose gradient then shows up in row 0."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 20, (5, 6), generator=gen), torch.randint(0, 3, (5,), generator=gen)
+    with pytest.raises(UnsupportedLayerError, match=r"pos \(Embedding\), output gradient"):
+        make_variant(name, 3, 60).gradient(BroadcastPositions("first"), Batch(x, y, torch.ones(5, dtype=torch.bool)), 0)

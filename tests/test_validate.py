@@ -250,7 +250,6 @@ def test_validate_lists_every_problem_at_once_in_model_order():
         ("3", "LSTM", "unsupported-layer", False),
         ("4", "Scale", "unsupported-layer", False),
         ("5", "Linear", "low-precision", False),
-        ("6", "Linear", "shared-parameter", False),
         ("7", "Embedding", "embedding-max-norm", False),
     ]
     assert all(isinstance(p, Problem) and p.what and p.alternative for p in problems)
@@ -261,11 +260,14 @@ def test_validate_lists_every_problem_at_once_in_model_order():
     assert "move the parameter into a supported layer" in text["unsupported-layer4"]
     assert "weight (float16), bias (float16)" in text["low-precision5"]
     assert "set_precision('bf16')" in text["low-precision5"]
-    assert "weight (also 5.weight), bias (also 5.bias) (tied weights, or one layer" in text["shared-parameter6"]
     assert "which tokens the batch held" in text["embedding-max-norm7"]
     assert str(problems[1]).startswith("1 (BatchNorm2d): uses the batch's statistics") and str(problems[1]).endswith(
         "[fastdp.nn.fix repairs this]"
     )
+    # DP-SGD norms the sum of a shared layer's uses; backprop clipping would credit each use with one use's bound
+    shared = [p for p in validate(model, "backprop") if p.kind == "shared-parameter"]
+    assert [p.module for p in shared] == ["6"]
+    assert "weight (also 5.weight), bias (also 5.bias) (tied weights, or one layer" in str(shared[0])
 
 
 def test_strict_raises_one_error_naming_them_all():
@@ -378,8 +380,8 @@ MODELS = {  # name: (model builder, input kind)
 }  # fmt: skip
 
 ACCEPTED = {  # what each variant's step accepts (and validate() must say so)
-    "dpsgd": {"mlp", "conv-frozen-eval-batch-norm", "layer-norm", "group-norm", "embedding"},
-    "jl": {"mlp", "conv-frozen-eval-batch-norm", "layer-norm", "group-norm", "embedding"},
+    "dpsgd": {"mlp", "conv-frozen-eval-batch-norm", "layer-norm", "group-norm", "embedding", "tied"},
+    "jl": {"mlp", "conv-frozen-eval-batch-norm", "layer-norm", "group-norm", "embedding", "tied"},
     "dpsgd-reference": {"mlp", "conv-frozen-eval-batch-norm", "layer-norm", "group-norm", "embedding",
                         "instance-norm-affine", "conv-circular", "conv-same", "own-parameter", "tied",
                         "lipschitz-mlp"},

@@ -252,7 +252,7 @@ class Variant(abc.ABC):
         if self.front_door == "ghost" and getattr(self, "mode", "ghost") == "ghost":  # G's rows must be examples too
 
             def gradients(x: torch.Tensor) -> list:
-                return output_gradients(lambda: row_functional([self._forward(model, x)]))
+                return output_gradients(lambda: row_functional([self._forward(model, x)]), x.shape[0])
 
         with torch.no_grad():
             probe.check(losses, model, batch.x, self.row_layers(model), f"variant {self.name!r}",

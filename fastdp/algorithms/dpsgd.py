@@ -79,6 +79,8 @@ from fastdp.nn import (
     convert,
     refuse_batch_statistics,
 )
+from fastdp.nn.forms import formed_norm_sq, formed_sums, shared_parameters
+from fastdp.nn.layers import DIRECT_MEMORY_BUDGET
 from fastdp.ops import clip_factors
 from fastdp.privacy.accounting import per_layer_noise_multiplier
 from fastdp.privacy.rng import PrivacyKeys
@@ -199,9 +201,9 @@ def clipped_sums_of_backward(
     if not isinstance(clip_norm, (int, float)):
         order = {id(m): i for i, m in enumerate(_check_per_layer(model, clip_norm))}
         clip_norm = [clip_norm[order[id(layer)]] for layer in run.layers]
-    layer_sums, loss, dropped = _clip_and_sum(run.layers, run.saved, run.grads_out, run.losses, mask, clip_norm,
-                                              scale, loss_scale, finite_only)  # fmt: skip
-    return run.by_parameter(layer_sums), loss, dropped
+    layer_sums, shared_sums, loss, dropped = _clip_and_sum(run.layers, run.saved, run.grads_out, run.losses, mask,
+                                                           clip_norm, scale, loss_scale, finite_only)  # fmt: skip
+    return run.by_parameter(layer_sums, shared_sums), loss, dropped
 
 
 @dataclass
@@ -215,12 +217,20 @@ class GhostBackward:
     grads_out: list[torch.Tensor]
     losses: torch.Tensor
 
-    def by_parameter(self, layer_sums: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Per-layer sums (one tensor per ``dp_parameters()`` of each layer) as one tensor per trainable parameter,
-        in ``params`` order and its ``sum_dtype``."""
-        sums = {id(p): total.to(sum_dtype(p)) for layer, totals in zip(self.layers, layer_sums, strict=True)
-                for p, total in zip(layer.dp_parameters(), totals, strict=True)}  # fmt: skip
-        return [sums[id(p)] for p in self.params]
+    def by_parameter(
+        self, layer_sums: list[list[torch.Tensor] | None], shared: dict[int, torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """Per-call sums (one tensor per ``dp_parameters()`` of each layer call, or None for a call whose sums are in
+        ``shared``, by parameter ``id``) as one tensor per trainable parameter, in ``params`` order and its
+        ``sum_dtype``; a parameter two calls use gets the sum of both calls' sums (a tied weight, a layer called
+        twice)."""
+        sums = dict(shared or {})
+        for layer, totals in zip(self.layers, layer_sums, strict=True):
+            if totals is None:
+                continue
+            for p, total in zip(layer.dp_parameters(), totals, strict=True):
+                sums[id(p)] = total if id(p) not in sums else sums[id(p)] + total
+        return [sums[id(p)].to(sum_dtype(p)) for p in self.params]
 
 
 def ghost_backward(model, loss_fn, batch: Batch, forward=None, loss_scale: float = 1.0) -> GhostBackward:
@@ -235,7 +245,8 @@ def ghost_backward(model, loss_fn, batch: Batch, forward=None, loss_scale: float
             raise ValueError(
                 f"{type(r.layer).__name__} was called on a tensor whose first dimension ({tuple(r.shape)}) is not "
                 f"the batch ({size} examples): DP layers need batch-first inputs so each row belongs to one example "
-                "(e.g. expand position indices to [B, T] before a positional Embedding)"
+                "(a Linear or Conv applied to a tensor shared by the examples, e.g. a learned prompt, must see it "
+                "expanded to the batch; an Embedding expands a shared [1, T] index itself)"
             )
     layers = [r.layer for r in records]
     owned = {id(p) for layer in layers for p in layer.dp_parameters()}
@@ -256,7 +267,7 @@ def _ghost_forward(model, loss_fn, batch: Batch, forward) -> tuple[torch.Tensor,
     """(masked per-example losses, the DP layers' records) of the forward in a GhostClipping context. A function of
     its own for torch.compile: a graph break inside the context (each layer's hook registration) makes dynamo run
     the frame that holds the context eagerly, and this keeps that frame small."""
-    with GhostClipping() as ctx:
+    with GhostClipping(batch.x.shape[0]) as ctx:
         losses = loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y) * batch.mask
     return losses, ctx.records
 
@@ -271,13 +282,33 @@ def _clip_and_sum(
     scale: float,
     loss_scale: float,
     finite_only: bool,
-) -> tuple[list[list[torch.Tensor]], torch.Tensor, torch.Tensor | None]:
-    """After the backward, from each DP layer's saved input A and output gradient G: per-example norms, clip factors,
-    each layer's clipped sums (one list per layer), the summed loss, the non-finite count (``finite_only``). Pure
-    tensor work, outside autocast (fp32 accumulation), one graph under torch.compile."""
-    caches = [{} for _ in layers]  # per-example gradients a layer formed for its norm, reused for its sum
-    sq_norms = torch.stack([layer.per_example_sq_norms(a, g, cache)
-                            for layer, a, g, cache in zip(layers, saved, grads_out, caches, strict=True)])  # fmt: skip
+) -> tuple[list[list[torch.Tensor] | None], dict[int, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """After the backward, from each DP layer call's saved input A and output gradient G: per-example norms, clip
+    factors, the clipped sums, the summed loss, the non-finite count (``finite_only``). Pure tensor work, outside
+    autocast (fp32 accumulation), one graph under torch.compile.
+
+    Clipped sums: one list per layer call whose parameters no other call uses (None for the others), and a dict
+    (parameter ``id`` -> sum) for the parameters of calls that share one (tied weights, a layer called twice: their
+    per-example gradients sum the uses, normed with the cross terms, ``fastdp.nn.forms``)."""
+    shared = shared_parameters(layers)
+    alone = [not any(id(p) in shared for p in layer.dp_parameters()) for layer in layers]
+    if shared and not isinstance(clip_norm, (int, float)):
+        raise ValueError(
+            "per-layer clipping needs each trainable parameter in one layer called once per forward, but this "
+            "model shares parameters between layer calls (tied weights, or a layer called more than once); give "
+            "one clip norm"
+        )
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads_out) else torch.float32
+    caches = [{} if own else None for own in alone]  # per-example gradients a layer formed for its norm, reused
+    calls = list(zip(layers, saved, grads_out, caches, alone, strict=True))
+    rows = [layer.per_example_sq_norms(a, g, cache) for layer, a, g, cache, own in calls if own]
+    formed = [i for i, own in enumerate(alone) if not own]
+    direct = {}
+    if formed:
+        row, direct = formed_norm_sq([layers[i] for i in formed], [saved[i] for i in formed],
+                                     [grads_out[i] for i in formed], acc, DIRECT_MEMORY_BUDGET)  # fmt: skip
+        rows.append(row.to(rows[0].dtype) if rows else row)
+    sq_norms = torch.stack(rows)
     inexact = math.frexp(loss_scale)[0] != 0.5  # a power of two divides exactly (fp16's loss scale)
     if loss_scale != 1.0:
         sq_norms = sq_norms / (loss_scale * loss_scale)
@@ -292,10 +323,16 @@ def _clip_and_sum(
         dropped = (mask & ~keep).sum()
         factors = torch.where(keep, factors, 0)
         saved, grads_out, losses = _finite_entries(saved), _finite_entries(grads_out), torch.where(keep, losses, 0)
-        caches = [{k: _finite_entries(v) for k, v in cache.items()} for cache in caches]
-    sums = [layer.clipped_grad_sums(a, g, c, cache)
-            for layer, a, g, c, cache in zip(layers, saved, grads_out, factors, caches, strict=True)]  # fmt: skip
-    return sums, losses.sum(), dropped
+        caches = [None if cache is None else {k: _finite_entries(v) for k, v in cache.items()} for cache in caches]
+        direct = {k: _finite_entries(v) for k, v in direct.items()}
+    own_factors = iter(factors)
+    sums = [layer.clipped_grad_sums(a, g, next(own_factors), cache) if own else None
+            for layer, a, g, cache, own in zip(layers, saved, grads_out, caches, alone, strict=True)]  # fmt: skip
+    shared_sums = {}
+    if formed:
+        shared_sums = formed_sums([layers[i] for i in formed], [saved[i] for i in formed],
+                                  [grads_out[i] for i in formed], factors[-1], direct, acc)  # fmt: skip
+    return sums, shared_sums, losses.sum(), dropped
 
 
 def clipped_gradient_sum(

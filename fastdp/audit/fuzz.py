@@ -175,6 +175,26 @@ class Tied(nn.Module):
         return self.head(self.b(torch.tanh(self.a(x))))
 
 
+class TiedTokens(nn.Module):
+    """A language model's sharing: token embeddings tied to the output layer, position embeddings looked up with one
+    ``[1, T]`` index shared by the batch (as transformers models do); ``first=True`` reads the lookup back as
+    ``pos[0]``, which routes every example's gradient through example 0's row once the index is expanded to the batch
+    (must be refused)."""
+
+    def __init__(self, vocab: int, d: int, seq: int, first: bool = False) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.mix = nn.Linear(d, d)
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.tokens.weight
+        self.first = first
+
+    def forward(self, idx):
+        pos = self.positions(torch.arange(idx.shape[1], device=idx.device).unsqueeze(0))
+        h = torch.tanh(self.mix(self.tokens(idx) + (pos[0] if self.first else pos)))
+        return self.out(h).mean(1)[:, :CLASSES]
+
+
 class SharedIndex(nn.Module):
     """An Embedding looked up with an index shared by the batch whose length is the batch size (``arange(B)``, like
     a position index when T == B), its rows averaged into every example: rows that are not examples."""
@@ -268,6 +288,11 @@ def architectures() -> dict[str, Callable]:
         vocab, seq = draw(st.sampled_from([3, 5, 50])), draw(st.sampled_from([3, 4, 6, 32]))
         return Architecture(TokenModel(vocab, 4, seq, draw(st.booleans())), "tokens", (seq,), vocab=vocab)
 
+    def tied_tokens(draw):
+        # vocabulary 3 over 32 positions: the direct path of the tied weight; the others: the Gram path
+        vocab, seq = draw(st.sampled_from([3, 5, 50])), draw(st.sampled_from([3, 4, 6, 32]))
+        return Architecture(TiedTokens(vocab, 4, seq), "tokens", (seq,), vocab=vocab)
+
     return {
         "mlp": seeded(
             lambda draw: Architecture(
@@ -284,6 +309,8 @@ def architectures() -> dict[str, Callable]:
         "reused": seeded(lambda draw: Architecture(Reused(5), "vector", (5,))),
         "tied": seeded(lambda draw: Architecture(Tied(5), "vector", (5,))),
         "shared-index": seeded(lambda draw: Architecture(SharedIndex(5), "vector", (5,))),
+        "tied-tokens": seeded(tied_tokens),
+        "shared-lookup-row0": seeded(lambda draw: Architecture(TiedTokens(5, 4, 4, first=True), "tokens", (4,), 5)),
         "batchnorm-eval": seeded(lambda draw: Architecture(EvalBatchNorm(5), "vector", (5,))),
         "lipschitz": _lipschitz,
     }
@@ -299,6 +326,7 @@ MUST_REFUSE = {
     # ghost clipping's rows of the shared-index Embedding are not examples (the other variants refuse the Embedding
     # or, the reference, take each example's own gradient)
     "shared-index": ("dpsgd", "dpsgd-per-layer", "jl", "front-door", "front-door-jl"),
+    "shared-lookup-row0": ("dpsgd", "dpsgd-per-layer", "jl", "front-door", "front-door-jl"),
     "batchnorm-eval": VARIANTS,
 }
 

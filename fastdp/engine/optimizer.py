@@ -218,7 +218,7 @@ class DPOptimizer(Optimizer):
         if self.variant.front_door == "ghost":  # the DP layers' output gradients' rows must be examples too
 
             def gradients(structure: tuple) -> list:
-                return output_gradients(lambda: row_functional(batch_rows(structure)))
+                return output_gradients(lambda: row_functional(batch_rows(structure)), n)
 
         with torch.no_grad():
             self._probe.check(outputs, model, inputs, self.variant.row_layers(model), f"variant {self.variant.name!r}",

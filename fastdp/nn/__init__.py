@@ -70,7 +70,7 @@ def convert(model: nn.Module) -> nn.Module:
     Parameters, buffers and hooks stay as they are (the class is swapped, nothing is copied), so an optimizer
     built before the call and the ``state_dict`` are unchanged. Raises one :class:`UnsupportedLayerError` naming
     every module one-backward clipping cannot handle (:func:`check_supported`: trainable modules that are not DP
-    layers, with the reason where a subclass is refused; tied weights; layers that mix examples; Embeddings with
+    layers, with the reason where a subclass is refused; layers that mix examples; Embeddings with
     ``max_norm``). Returns ``model``.
     """
     unconverted = attention_projections(model)  # never called by their attention: its weights are read directly

@@ -10,6 +10,9 @@ and G the layer gives its per-example squared gradient norm without materialisin
 per-example gradients (||a_i||^2 ||g_i||^2, or the ghost norm <A_i A_i^T, G_i G_i^T>),
 the clip factors follow, and each layer's clipped sum is one GEMM A^T (c * G).
 
+A layer called several times in one forward records each call; a parameter several calls use (a layer called twice,
+tied weights) gets the sum of its uses' per-example gradients, normed with their cross terms (``fastdp.nn.forms``).
+
 The context lives for one step only: nothing is registered on the model.
 """
 
@@ -41,9 +44,9 @@ class Record:
 class GhostClipping:
     """Context of one DP-SGD step's forward: DP layers record themselves here instead of producing weight grads."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch: int | None = None) -> None:
         self.records: list[Record] = []
-        self._seen: set[int] = set()
+        self.batch = batch  # the number of examples of the forward, where known (an index shared by them is expanded)
 
     @torch.compiler.disable
     def tap(self, layer: torch.nn.Module, saved: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -51,12 +54,6 @@ class GhostClipping:
 
         Never compiled (``torch.compiler.disable``: a graph break per layer under torch.compile): it is Python
         bookkeeping and a hook registration, and tracing it would guard on this step's records."""
-        if id(layer) in self._seen:
-            raise ValueError(
-                f"{type(layer).__name__} is called twice in one forward (shared weights): its per-example gradient "
-                "is the sum of both calls, which one-backward clipping cannot split; use DPSGD(mode='reference')"
-            )
-        self._seen.add(id(layer))
         record = Record(layer, saved, output.shape, output.dtype)
         if not output.requires_grad:
             # First layer: neither input nor (detached) parameters need grad. A non-leaf copy keeps in-place
@@ -81,10 +78,11 @@ def active_context() -> GhostClipping | None:
     return getattr(_state, "context", None)
 
 
-def output_gradients(scalar_of) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+def output_gradients(scalar_of, batch: int | None = None) -> list[tuple[torch.nn.Module, torch.Tensor]]:
     """``(layer, G)`` of every DP layer call in one forward and one backward of ``scalar_of()`` (a scalar computed by
-    a forward of the model), in call order: what the row probe (``fastdp.nn.rows``) compares between two batches."""
-    with torch.enable_grad(), GhostClipping() as ctx:
+    a forward of the model on ``batch`` examples), in call order: what the row probe (``fastdp.nn.rows``) compares
+    between two batches."""
+    with torch.enable_grad(), GhostClipping(batch) as ctx:
         total = scalar_of()
         if total.requires_grad:
             total.backward()

@@ -10,6 +10,9 @@ Each class subclasses its torch counterpart with no extra state, so outside a DP
 * ``per_example_projections(saved, G, tangents, cache)`` -> (P [B, r], err [B], allowance [B]): DP-SGD-JL's
   projections of each example's gradient onto r tangents, with rigorous bounds on their rounding and on that of
   the clipped sum (float64; per-example gradients formed in float64 a chunk of examples at a time).
+* ``per_example_forms(saved, G)`` -> one :mod:`fastdp.nn.forms` form per trainable parameter: its per-example
+  gradient kept factored, for a parameter other layer calls use too (tied weights, a layer called twice), whose norm
+  needs the cross terms between the uses.
 
 Where a per-example weight gradient is cheaper than the ghost norm it is formed once, kept in ``cache``
 (a dict per layer call, or None), and its clipped sum is then a weighted sum instead of a second GEMM.
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 import torch.nn.utils.parametrize
 from torch import nn
 
+from fastdp.nn.forms import Dense, Form, Outer, Rows
 from fastdp.nn.ghost import active_context
 from fastdp.ops import certified_ghost_norm_sq, certified_projections, certified_token_match_norm_sq, rounding_gamma
 
@@ -273,6 +277,16 @@ class Linear(nn.Linear, DPLayer):
             pieces.append((g3.sum(1), _mass(None, g3), g3.shape[1]))
         return pieces
 
+    def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:
+        """The weight's per-example gradient ``sum_t g_t a_t^T`` (G, A) and the bias's ``sum_t g_t``
+        (``fastdp.nn.forms``: a parameter shared with other layer calls)."""
+        (a,) = saved
+        a3, g3 = self._flat(a, grad_out)
+        forms: list[Form] = [Outer(g3, a3)] if self.weight.requires_grad else []
+        if self.bias is not None and self.bias.requires_grad:
+            forms.append(Dense(g3.sum(1)))
+        return forms
+
     def clipped_grad_sums(
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
     ) -> list[torch.Tensor]:
@@ -390,6 +404,15 @@ class _ConvNd(DPLayer):
             total += _rowsq(bias)
         return total
 
+    def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:
+        """The per-example weight and bias gradients, formed (``fastdp.nn.forms``: a parameter shared with other
+        layer calls)."""
+        (x,) = saved
+        forms: list[Form] = [Dense(self._per_example_weight(x, grad_out))] if self.weight.requires_grad else []
+        if self.bias is not None and self.bias.requires_grad:
+            forms.append(Dense(grad_out.flatten(2).sum(2)))
+        return forms
+
     def per_example_projections(
         self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -442,6 +465,26 @@ class Conv2d(_ConvNd, nn.Conv2d):
     _spatial = 2
 
 
+def _per_example_index(idx: torch.Tensor, batch: int | None) -> torch.Tensor:
+    """An index shared by the batch's examples, as each example's own: ``[1, T]`` (or a ``[T]`` whose length is not
+    the batch size), as a positional embedding is looked up with, expanded to ``[B, T]`` (a view).
+
+    The lookup's output is then ``[B, T, dim]``: added to the ``[B, T, dim]`` token embeddings it gives what the
+    broadcast of ``[1, T, dim]`` gave, and its gradient's rows are the examples' own, so the position table's
+    per-example gradients are exact, not their sum over the batch. A model that used the shared lookup in another way
+    (``pos[0]``: now example 0's row, through which every example's gradient would flow) is refused by the row probe,
+    which watches the layers' output-gradient rows (``fastdp.nn.rows``). A ``[T]`` index as long as the batch is
+    ambiguous and taken as the batch's (one id per example); where it is a shared index after all, the row probe
+    refuses it: pass it as ``[1, T]``."""
+    if batch is None or batch < 2 or idx.dim() == 0 or idx.shape[0] == batch:
+        return idx
+    if idx.shape[0] == 1 and idx.dim() > 1:
+        return idx.expand(batch, *idx.shape[1:])
+    if idx.dim() == 1:
+        return idx.unsqueeze(0).expand(batch, idx.shape[0])
+    return idx
+
+
 class Embedding(nn.Embedding, DPLayer):
     """``torch.nn.Embedding`` (dense gradients; ``padding_idx`` rows get none).
 
@@ -460,6 +503,7 @@ class Embedding(nn.Embedding, DPLayer):
             return super().forward(idx)
         if self.sparse or self.max_norm is not None:
             raise ValueError("fastdp.nn.Embedding: sparse=True and max_norm are not supported in DP training")
+        idx = _per_example_index(idx, ctx.batch)
         out = F.embedding(idx, self._detached("weight"), self.padding_idx)
         return ctx.tap(self, (idx,), out)
 
@@ -484,6 +528,12 @@ class Embedding(nn.Embedding, DPLayer):
                 cache["weight"] = per_example
             return _rowsq(per_example)
         return _clip_sq(*certified_token_match_norm_sq(idx, g), t, _acc(grad_out))  # float64, rounding bounded
+
+    def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:
+        """The rows of G scattered by token id (``fastdp.nn.forms``: the weight shared with other layer calls, e.g. a
+        tied output layer)."""
+        (idx,) = saved
+        return [Rows(*self._tokens(idx, grad_out), self.num_embeddings)] if self.weight.requires_grad else []
 
     def per_example_projections(
         self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
@@ -560,6 +610,10 @@ class _AffineNorm(DPLayer):
         return sum((_rowsq(g) for g in grads), torch.zeros(grad_out.shape[0], dtype=_acc(grad_out),
                                                              device=grad_out.device))  # fmt: skip
 
+    def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:
+        """The per-example affine gradients, formed (``fastdp.nn.forms``)."""
+        return [Dense(g) for g in self._per_example(saved, grad_out)]
+
     def per_example_projections(
         self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -631,6 +685,13 @@ class TransposedLinear(DPLayer):
     _flat = staticmethod(Linear._flat)
     _per_example64 = Linear._per_example64
     per_example_sq_norms = Linear.per_example_sq_norms  # a squared norm is the same for a transposed matrix
+
+    def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:
+        """Linear's forms with the weight's factors swapped: ``sum_t a_t g_t^T`` in the ``[in, out]`` layout."""
+        forms = Linear.per_example_forms(self, saved, grad_out)
+        if self.weight.requires_grad:
+            forms[0] = Outer(forms[0].right, forms[0].left)
+        return forms
 
     def per_example_projections(
         self, saved, grad_out: torch.Tensor, tangents: list[torch.Tensor], cache: dict | None = None

@@ -6,8 +6,9 @@ norms per example, depend on example i alone. A comparison of sizes cannot estab
 clipped per position, not per example; a model that mixes examples (a statistic over the batch, a layer applied along
 the batch dimension after a transpose) passes any shape check.
 
-The probe establishes it for a batch by experiment: it runs the model's forward twice, the second time with one
-example's input replaced by another example's, and requires that nothing else changes: the per-example losses of the
+The probe establishes it for a batch by experiment: it runs the model's forward three times, the second and third
+with the first and with the last example's input replaced by another example's, and requires that nothing else
+changes: the per-example losses of the
 other examples, and the other rows of every watched layer's input. Same shapes, same kernels, same dropout masks
 (the generator state is forked and reset for both runs), so an unchanged row is bitwise unchanged; rows are compared
 through small float64 fingerprints (a random projection, the squared norm, the non-finite count: no activation is
@@ -95,14 +96,20 @@ def _map_rows(fn, x, batch: int):
     return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, x)
 
 
-def _pick(x, batch: int) -> tuple[int, int] | None:
-    """(k, m): example k's input is replaced by example m's, which differs from it in some batch-first tensor; None
-    if all examples are equal."""
+def _picks(x, batch: int) -> list[tuple[int, int]]:
+    """[(k, m)]: example k's input is replaced by example m's, for k the first and the last example (two experiments:
+    a model that routes every example's gradient through one row, ``pos[0]`` of a shared lookup expanded to the
+    batch, changes only row k when example k is the one replaced), m the example that differs from k in the most
+    batch-first tensors (a model that mixes examples through one argument, a mask's mean over the batch, shows it
+    only when that argument changes); empty if all examples are equal."""
     flats = [t.reshape(batch, -1) for t in _rows_of(x, batch)]
-    for m in range(1, batch):
-        if any(not torch.equal(flat[0], flat[m]) for flat in flats):
-            return 0, m
-    return None
+    picks = []
+    for k in (0, batch - 1):
+        differing = [sum(not torch.equal(flat[k], flat[m]) for flat in flats) if m != k else 0 for m in range(batch)]
+        best = max(differing)
+        if best:
+            picks.append((k, differing.index(best)))
+    return picks
 
 
 def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -152,33 +159,34 @@ def probe_rows(
         return None
     device = rows[0].device
     finite = all(bool(torch.isfinite(t).all()) for t in rows if t.is_floating_point())
-    pick = _pick(x, batch) if finite else None
-    if pick is None:  # every example the same, or a non-finite one (NaN rows would hide a change): random inputs of
+    picks = _picks(x, batch) if finite else []
+    if not picks:  # every example the same, or a non-finite one (NaN rows would hide a change): random inputs of
         # the batch's shape (and value range)
         gen = torch.Generator(device=device).manual_seed(_PROBE_SEED)
         x = _map_rows(lambda t: _random_like(t, gen), x, batch)
-        pick = _pick(x, batch)
-        if pick is None:
+        picks = _picks(x, batch)
+        if not picks:
             return None
-    k, m = pick
 
-    def replaced(t: torch.Tensor) -> torch.Tensor:
-        t = t.clone()
-        t[k] = t[m]
-        return t
+    def replaced(k: int, m: int):
+        def replace(t: torch.Tensor) -> torch.Tensor:
+            t = t.clone()
+            t[k] = t[m]
+            return t
 
-    perturbed = _map_rows(replaced, x, batch)
-    keep = torch.ones(batch, dtype=torch.bool, device=device)
-    keep[k] = False
+        return replace
+
     names = {id(module): name or "<model>" for name, module in model.named_modules()}
     runs = []
-    for inputs in (x, perturbed):
+    for inputs in (x, *(_map_rows(replaced(k, m), x, batch) for k, m in picks)):
         seen: list[tuple[nn.Module, torch.Size, tuple, torch.Size]] = []  # layer, input shape and fingerprint, output
 
         def record(module, args, output, seen=seen):
             if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
                 a = args[0]
-                summary = _fingerprint(a) if a.dim() and a.shape[0] == batch else None
+                own = a.dim() and a.shape[0] == batch
+                # an input not batch-first (an index shared by the examples) is compared whole: it must not change
+                summary = (own, _fingerprint(a if own else a.reshape(1, -1)))
                 seen.append((module, a.shape, summary, output.shape))
 
         handles = [layer.register_forward_hook(record) for layer in layers]
@@ -196,12 +204,26 @@ def probe_rows(
                 grads = [(layer, g.shape, _fingerprint(g) if g.dim() and g.shape[0] == batch else None)
                          for layer, g in gradients(inputs)]  # fmt: skip
         runs.append((losses, seen, grads))
-    (losses, seen, grads), (losses_p, seen_p, grads_p) = runs
+    for (k, _), perturbed in zip(picks, runs[1:], strict=True):
+        _compare(runs[0], perturbed, k, batch, names, what)
+    sizes = set()
+    for _, shape, _, out in runs[0][1]:
+        sizes.update(shape[1:])
+        sizes.update(out[1:])
+    return sizes
+
+
+def _compare(run, perturbed, k: int, batch: int, names: dict, what: str) -> None:
+    """Raise :class:`UnsupportedLayerError` naming what changed, outside row ``k``, between two probe runs."""
+    (losses, seen, grads), (losses_p, seen_p, grads_p) = run, perturbed
+    keep = torch.ones(batch, dtype=torch.bool, device=losses.device)
+    keep[k] = False
     mixed = []
     if _rows_differ(_fingerprint(losses.reshape(batch, -1)), _fingerprint(losses_p.reshape(batch, -1)), keep):
         mixed.append("the per-example losses (the loss or the model mixes examples)")
-    for (layer, shape, summary, _), (_, _, summary_p, _) in zip(seen, seen_p, strict=False):
-        if summary is None or summary_p is None or _rows_differ(summary, summary_p, keep):
+    whole = torch.ones(1, dtype=torch.bool, device=losses.device)
+    for (layer, shape, (own, summary), _), (_, _, (own_p, summary_p), _) in zip(seen, seen_p, strict=False):
+        if own != own_p or _rows_differ(summary, summary_p, keep if own else whole):
             mixed.append(f"{names.get(id(layer), '?')} ({type(layer).__name__}), input of shape {tuple(shape)}")
     if len(seen) != len(seen_p) or (grads is not None and len(grads) != len(grads_p)):
         mixed.append("the layers called (the model's control flow depends on the data)")
@@ -219,11 +241,6 @@ def probe_rows(
             "by the batch (a [T] position index broadcast over the examples) has rows that are not examples: keep "
             "inputs batch-first (expand shared indices to [B, T]) and every example's computation its own"
         )
-    sizes = set()
-    for _, shape, _, out in seen:
-        sizes.update(shape[1:])
-        sizes.update(out[1:])
-    return sizes
 
 
 class RowProbe:

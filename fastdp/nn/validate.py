@@ -181,13 +181,13 @@ def _same_padding(conv: nn.Module) -> tuple[int, ...] | None:
 def check_supported(model: nn.Module) -> None:
     """Raise :class:`UnsupportedLayerError` for modules one-backward clipping cannot handle: trainable modules that
     are not DP layers (with the reason where a subclass of a supported layer is not converted,
-    :func:`~fastdp.nn.layers.conversion`), layers that mix examples (:func:`mixes_examples`, trainable or not), a
-    parameter shared by two DP layers (tied weights: its per-example gradient sums both uses), and Embeddings with
-    ``max_norm`` (:func:`renorms_embedding_rows`). One error names every such module, all kinds together.
+    :func:`~fastdp.nn.layers.conversion`), layers that mix examples (:func:`mixes_examples`, trainable or not), and
+    Embeddings with ``max_norm`` (:func:`renorms_embedding_rows`). One error names every such module, all kinds
+    together. Tied weights and layers called more than once are accepted: their per-example gradient sums the uses
+    (``fastdp.nn.forms``).
 
     One walk over the modules (DP-SGD calls it every step: train/eval mode and ``requires_grad`` can change)."""
-    bad, mixing, renorming, tied = [], [], [], []
-    owners: dict[int, str] = {}
+    bad, mixing, renorming = [], [], []
     for name, module in model.named_modules():
         if renorms_embedding_rows(module):
             renorming.append(f"{_display(name)} ({type(module).__name__})")
@@ -197,16 +197,7 @@ def check_supported(model: nn.Module) -> None:
                 bad.append((name, module))
             if mixes_examples(module):
                 mixing.append(f"{_display(name)} ({type(module).__name__})")
-            continue
-        for p in trainable:
-            if id(p) in owners:
-                tied.append(
-                    f"a parameter is shared by {owners[id(p)]} and {_display(name)} (tied weights); one-backward "
-                    "clipping needs each parameter in one layer: use DPSGD(mode='reference')"
-                )
-            else:
-                owners[id(p)] = _display(name)
-    messages = list(tied)
+    messages = []
     if bad:
         lines = []
         for name, module in bad:
@@ -506,15 +497,13 @@ def _layer_problems(name: str, module: nn.Module, variant: str) -> list[Problem]
     return problems
 
 
-def _shared_parameter_problems(model: nn.Module, variant: str) -> list[Problem]:
-    """A trainable parameter registered in two modules (tied weights), or one module registered at two places in
-    the model (so called twice): its gradient sums both uses. One problem per module that repeats a parameter."""
+def _shared_parameter_problems(model: nn.Module) -> list[Problem]:
+    """Backprop clipping: a trainable parameter registered in two modules (tied weights), or one module registered at
+    two places in the model (so called twice): its gradient sums both uses, each credited with one use's bound. One
+    problem per module that repeats a parameter. (DP-SGD and JL norm the sum of the uses: ``fastdp.nn.forms``.)"""
     owners: dict[int, str] = {}
     problems = []
-    if variant == "backprop":
-        why = "backprop clipping credits each with one use's bound (C1 C2), but its gradient sums both uses"
-    else:
-        why = "each one's per-example gradient sums both uses, which one-backward clipping cannot split"
+    why = "backprop clipping credits each with one use's bound (C1 C2), but its gradient sums both uses"
     for name, module in model.named_modules(remove_duplicate=False):
         repeated = []
         for pname, p in module._parameters.items():
@@ -606,8 +595,8 @@ def validate(model: nn.Module, variant="dpsgd", strict: bool = False) -> list[Pr
             problems += _layer_problems(path, module, name)
             if id(module) in attention and own_trainable(module) and not isinstance(module, DPLayer):
                 problems.append(_unsupported_problem(path, module, name))  # convert() leaves it: never called
-        if name in ("dpsgd", "jl", "backprop"):
-            problems += _shared_parameter_problems(model, name)
+        if name == "backprop":
+            problems += _shared_parameter_problems(model)
         if name in ("clipless", "weightclip"):
             problems += _lipschitz_problems(model)
         problems.sort(key=lambda p: order.get(id(model.get_submodule(p.module)), -1))

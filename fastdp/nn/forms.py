@@ -1,0 +1,270 @@
+"""Per-example gradients of a parameter used more than once in one forward (tied or shared weights), in one backward.
+
+A parameter used by several DP layer calls (GPT-2's ``wte`` read by the token Embedding and by the ``lm_head`` Linear,
+a layer called twice, a block applied at several depths) has as each example's gradient the *sum* of its uses'
+gradients, so its squared norm is not the sum of the uses' squared norms: it has cross terms,
+``||sum_u g_u||^2 = sum_{u, v} <g_u, g_v>``. Each DP layer describes each use's per-example gradient by a *form* that
+keeps it factored, and the inner products of two forms are computed without forming either gradient where that is
+cheaper (the ghost inner product of two uses' (A, G) pairs), or the uses' per-example gradients are formed, summed and
+normed (the direct path) where that is cheaper and fits :data:`fastdp.nn.layers.DIRECT_MEMORY_BUDGET`.
+
+Forms (per example i, in the parameter's own layout, viewed as a matrix [m, n] where it has two factors):
+
+* :class:`Dense` ``t [B, *shape]``: the per-example gradient itself, the very tensor summed (biases, norm affines,
+  convolution weights);
+* :class:`Outer` ``left [B, T, m]``, ``right [B, T, n]``: ``sum_t left_it right_it^T`` (a Linear: G and A; HF's
+  transposed ``Conv1D``: A and G);
+* :class:`Rows` ``idx [B, T]``, ``g [B, T, n]`` over ``rows`` rows: ``sum_t e_{idx_it} g_it^T`` (an Embedding).
+
+Rigour, as for one use (``fastdp.ref.norms.certified_ghost_norm_sq``): every inner product is computed in float64
+(fp32, fp16 and bf16 products are exact there) with its rounding bounded by ``gamma_K m_u m_v``, where the *mass*
+``m_u`` (:func:`mass`) bounds the Frobenius norm of the use's absolute terms (``sum_t |left_t| |right_t|``,
+``sum_t |g_t|``, ``||t||``) and K counts the operations one term goes through (Cauchy-Schwarz, Higham Thm 3.1). The
+bound on ``||sum_u g_u||^2`` is the clamped float64 sum plus ``gamma_K (sum_u m_u)^2``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fastdp.ops import rounding_gamma
+
+GRAM_CHUNK_ELEMENTS = 1 << 24  # float64 entries of the [b, T, T'] products formed at a time (128 MiB)
+
+
+@dataclass
+class Dense:
+    """The per-example gradient ``t [B, *shape]`` itself (summed as it is)."""
+
+    t: torch.Tensor
+
+    def positions(self) -> int:
+        return 0
+
+
+@dataclass
+class Outer:
+    """``sum_t left[i, t] right[i, t]^T`` [m, n]: ``left [B, T, m]``, ``right [B, T, n]``."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+
+    def positions(self) -> int:
+        return self.left.shape[1]
+
+
+@dataclass
+class Rows:
+    """``sum_t e_{idx[i, t]} g[i, t]^T`` [rows, n]: ``idx [B, T]`` row ids, ``g [B, T, n]`` (rows that get no gradient,
+    e.g. an Embedding's ``padding_idx``, zeroed in ``g``)."""
+
+    idx: torch.Tensor
+    g: torch.Tensor
+    rows: int
+
+    def positions(self) -> int:
+        return self.g.shape[1]
+
+
+Form = Dense | Outer | Rows
+_F64 = torch.float64
+
+
+def _select(form: Form, part: slice) -> Form:
+    """``form`` for the examples ``part``."""
+    if isinstance(form, Dense):
+        return Dense(form.t[part])
+    if isinstance(form, Outer):
+        return Outer(form.left[part], form.right[part])
+    return Rows(form.idx[part], form.g[part], form.rows)
+
+
+def _width(form: Form) -> int:
+    """The length of the dot products a Gram of ``form`` takes (per position pair)."""
+    if isinstance(form, Outer):
+        return form.left.shape[2] + form.right.shape[2]
+    if isinstance(form, Rows):
+        return form.g.shape[2]
+    return math.prod(form.t.shape[1:])
+
+
+def mass(form: Form) -> torch.Tensor:
+    """float64 [B], rounded up: a bound on the Frobenius norm of the absolute terms of each example's gradient (which
+    bounds the gradient's norm, and the size of what a sum of it rounds)."""
+    u = torch.finfo(_F64).eps / 2
+    if isinstance(form, Dense):
+        flat = form.t.reshape(form.t.shape[0], -1).to(_F64)
+        return torch.linalg.vector_norm(flat, dim=1) * (1 + rounding_gamma(flat.shape[1] + 4, _F64))
+    if isinstance(form, Outer):
+        left, right = form.left.to(_F64), form.right.to(_F64)
+        rows = torch.linalg.vector_norm(left, dim=2) * torch.linalg.vector_norm(right, dim=2)
+        width = max(left.shape[2], right.shape[2])
+    else:
+        rows = torch.linalg.vector_norm(form.g.to(_F64), dim=2)
+        width = form.g.shape[2]
+    return rows.sum(1) * (1 + rounding_gamma(width + rows.shape[1] + 4, _F64) + 4 * u)
+
+
+def _inner(f: Form, h: Form, shape: torch.Size) -> tuple[torch.Tensor, int]:
+    """(float64 [b] ``<grad_i(f), grad_i(h)>`` as computed, K): the computed value is within ``gamma_K mass(f)
+    mass(h)`` of the exact one. ``shape``: the parameter's shape (the layout of Dense forms)."""
+    if isinstance(h, Dense) and not isinstance(f, Dense):
+        f, h = h, f
+    if isinstance(f, Dense):
+        d = f.t.to(_F64)
+        if isinstance(h, Dense):
+            return (d.reshape(d.shape[0], -1) * h.t.to(_F64).reshape(d.shape[0], -1)).sum(1), d[0].numel() + 2
+        if isinstance(h, Outer):  # sum_t left_t^T D right_t
+            left, right = h.left.to(_F64), h.right.to(_F64)
+            m, n = left.shape[2], right.shape[2]
+            dr = torch.bmm(d.reshape(d.shape[0], m, n), right.transpose(1, 2))  # [b, m, T]
+            return (dr * left.transpose(1, 2)).sum((1, 2)), n + m * left.shape[1] + 2
+        rows = d.reshape(d.shape[0], h.rows, -1)  # sum_t <D[idx_t], g_t>
+        gathered = torch.gather(rows, 1, h.idx.unsqueeze(2).expand(-1, -1, rows.shape[2]))
+        return (gathered * h.g.to(_F64)).sum((1, 2)), h.g.shape[1] * h.g.shape[2] + 2
+    if isinstance(f, Outer) and isinstance(h, Outer):  # sum_{t,s} <l_t, l'_s> <r_t, r'_s>
+        gram_l = torch.bmm(f.left.to(_F64), h.left.to(_F64).transpose(1, 2))
+        gram_r = torch.bmm(f.right.to(_F64), h.right.to(_F64).transpose(1, 2))
+        return gram_l.mul_(gram_r).sum((1, 2)), _width(f) + _width(h) + f.positions() * h.positions() + 2
+    if isinstance(f, Rows) and isinstance(h, Rows):  # sum_{t,s} [idx_t == idx'_s] <g_t, g'_s>
+        same = (f.idx.unsqueeze(2) == h.idx.unsqueeze(1)).to(_F64)
+        gram = torch.bmm(f.g.to(_F64), h.g.to(_F64).transpose(1, 2))
+        return (same * gram).sum((1, 2)), f.g.shape[2] + f.positions() * h.positions() + 2
+    if isinstance(f, Outer):
+        f, h = h, f
+    # Rows f, Outer h: sum_{t,s} left_s[idx_t] <g_t, right_s>
+    left = torch.gather(h.left.to(_F64), 2, f.idx.unsqueeze(1).expand(-1, h.positions(), -1))  # [b, S, T]
+    dots = torch.bmm(h.right.to(_F64), f.g.to(_F64).transpose(1, 2))  # [b, S, T]
+    return (left * dots).sum((1, 2)), f.g.shape[2] + f.positions() * h.positions() + 2
+
+
+def shared_norm_sq(uses: list[Form], shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bound, masses)``, float64 [B]: ``bound[i] >= ||sum_u grad_i(use u)||^2`` whatever the rounding (the uses'
+    pairwise inner products, each once, cross terms twice), and the sum of the uses' masses."""
+    masses = [mass(f) for f in uses]
+    b = masses[0].shape[0]
+    span = max(max(f.positions(), 1) for f in uses) ** 2
+    chunk = max(1, GRAM_CHUNK_ELEMENTS // span)
+    total = torch.zeros(b, dtype=_F64, device=masses[0].device)
+    worst = 0
+    for start in range(0, b, chunk):
+        part = slice(start, start + chunk)
+        pieces = [_select(f, part) for f in uses]
+        for i, f in enumerate(pieces):
+            for j in range(i, len(pieces)):
+                value, k = _inner(f, pieces[j], shape)
+                total[part] += value if i == j else 2 * value
+                worst = max(worst, k)
+    summed = torch.stack(masses).sum(0)
+    k = worst + len(uses) * len(uses) + 4  # + the additions of the pairs' values
+    return total.clamp_min(0) + rounding_gamma(k, _F64) * summed * summed, summed
+
+
+def dense(form: Form, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The per-example gradients ``[B, *shape]`` of ``form``, in ``dtype``."""
+    if isinstance(form, Dense):
+        return form.t.to(dtype).reshape(form.t.shape[0], *shape)
+    if isinstance(form, Outer):
+        out = torch.bmm(form.left.to(dtype).transpose(1, 2), form.right.to(dtype))
+        return out.reshape(out.shape[0], *shape)
+    b, n = form.g.shape[0], form.g.shape[2]
+    flat = (torch.arange(b, device=form.idx.device).unsqueeze(1) * form.rows + form.idx).reshape(-1)
+    out = form.g.new_zeros(b * form.rows, n, dtype=dtype).index_add_(0, flat, form.g.reshape(-1, n).to(dtype))
+    return out.reshape(b, *shape)
+
+
+def clipped_sum(form: Form, factors: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_i c_i grad_i(form)`` in ``dtype``, shaped as the parameter: one GEMM (Outer), one scatter (Rows), one
+    GEMV (Dense). Each example's terms are added in ``dtype``: at most ``positions u mass`` beyond its exact
+    contribution (``fastdp.nn.layers._clip_sq``)."""
+    c = factors.to(dtype)
+    if isinstance(form, Dense):
+        return (c @ form.t.reshape(form.t.shape[0], -1).to(dtype)).reshape(shape)
+    if isinstance(form, Outer):
+        left = form.left.to(dtype) * c.reshape(-1, 1, 1)
+        return (left.reshape(-1, left.shape[2]).t() @ form.right.to(dtype).reshape(-1, form.right.shape[2])).reshape(
+            shape
+        )
+    g = (form.g.to(dtype) * c.reshape(-1, 1, 1)).reshape(-1, form.g.shape[2])
+    total = torch.zeros(form.rows, g.shape[1], dtype=dtype, device=g.device)
+    return total.index_add_(0, form.idx.reshape(-1), g).reshape(shape)
+
+
+def direct_is_cheaper(uses: list[Form], numel: int) -> bool:
+    """Whether forming the uses' per-example gradients (``sum_u T_u numel`` multiply-adds for a product form, a zero
+    fill and scatter of ``numel`` per example for Rows: about 64 Gram multiply-adds per element, see
+    :class:`fastdp.nn.layers.Embedding`) costs less than the float64 Grams of every pair of uses (about twice an
+    fp32 multiply-add each: ``fastdp.nn.layers._use_ghost``)."""
+    direct = sum(f.positions() * numel if isinstance(f, Outer) else 64 * numel if isinstance(f, Rows) else numel
+                 for f in uses)  # fmt: skip
+    gram = sum(2 * max(f.positions(), 1) * max(h.positions(), 1) * (_width(f) + _width(h)) // 2
+               for f in uses for h in uses)  # fmt: skip
+    return direct < gram
+
+
+def shared_parameters(layers: list) -> set[int]:
+    """``id``s of the trainable parameters that more than one of the layer calls ``layers`` uses."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for layer in layers:
+        for p in layer.dp_parameters():
+            (shared if id(p) in seen else seen).add(id(p))
+    return shared
+
+
+def _uses(layers: list, saved: list, grads_out: list) -> dict[int, tuple[torch.nn.Parameter, list[Form]]]:
+    """Per trainable parameter of ``layers`` (by ``id``, first use first): the parameter and its uses' forms."""
+    uses: dict[int, tuple[torch.nn.Parameter, list[Form]]] = {}
+    for layer, a, g in zip(layers, saved, grads_out, strict=True):
+        for p, form in zip(layer.dp_parameters(), layer.per_example_forms(a, g), strict=True):
+            uses.setdefault(id(p), (p, []))[1].append(form)
+    return uses
+
+
+def formed_norm_sq(
+    layers: list, saved: list, grads_out: list, acc: torch.dtype, budget: int
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """(per-example squared norms [B] in ``acc``, summed over every trainable parameter of ``layers``; the per-example
+    gradients formed, by parameter ``id``) for layer calls that share parameters.
+
+    Per parameter: its uses' per-example gradients formed and summed where :func:`direct_is_cheaper` and the
+    ``[B, *shape]`` tensor in ``acc`` fits ``budget`` bytes (their norm is that of the very tensor summed, kept for
+    :func:`formed_sums`); else :func:`shared_norm_sq`, with each use's summation allowance (``positions u mass``,
+    ``fastdp.nn.layers._clip_sq``) added to the norm, rounded up into ``acc``."""
+    u = torch.finfo(acc).eps / 2
+    total = None
+    direct: dict[int, torch.Tensor] = {}
+    for key, (p, forms) in _uses(layers, saved, grads_out).items():
+        b = (forms[0].t if isinstance(forms[0], Dense) else forms[0].idx if isinstance(forms[0], Rows)
+             else forms[0].left).shape[0]  # fmt: skip
+        if direct_is_cheaper(forms, p.numel()) and b * p.numel() * torch.finfo(acc).bits // 8 <= budget:
+            per_example = sum(dense(f, p.shape, acc) for f in forms[1:]) + dense(forms[0], p.shape, acc)
+            direct[key] = per_example
+            sq = torch.linalg.vector_norm(per_example.reshape(b, -1), dim=1, dtype=acc).square()
+        else:
+            bound, _ = shared_norm_sq(forms, p.shape)
+            allowance = sum(f.positions() * u * mass(f) for f in forms)
+            norm = bound.sqrt() + allowance
+            sq = (norm * norm * (1 + 4 * u)).to(acc)
+        total = sq if total is None else total + sq
+    return total, direct
+
+
+def formed_sums(
+    layers: list, saved: list, grads_out: list, factors: torch.Tensor, direct: dict[int, torch.Tensor],
+    acc: torch.dtype,
+) -> dict[int, torch.Tensor]:  # fmt: skip
+    """``sum_i c_i grad_i`` per trainable parameter of ``layers`` (by ``id``), in ``acc``: one weighted sum of the
+    formed per-example gradients (``direct``, from :func:`formed_norm_sq`), else each use's clipped sum, added."""
+    sums = {}
+    for key, (p, forms) in _uses(layers, saved, grads_out).items():
+        if key in direct:
+            sums[key] = clipped_sum(Dense(direct[key]), factors, p.shape, acc)
+        else:
+            sums[key] = sum(clipped_sum(f, factors, p.shape, acc) for f in forms[1:]) + clipped_sum(
+                forms[0], factors, p.shape, acc
+            )
+    return sums

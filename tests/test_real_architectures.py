@@ -1,0 +1,180 @@
+"""Real architectures, unmodified: Hugging Face GPT-2 (tied embeddings, ``Conv1D``, the default attention, its own
+position ids), BERT, RoBERTa and DistilBERT classifiers, and ResNet-18-GN. Per-example clipped sums equal
+``torch.func``'s in float64 through ``fastdp.nn.convert`` and through the front door, and DP-SGD-JL trains each.
+Random-init configurations (nothing is downloaded), dropout off where sums are compared (vmap and the batch draw
+different masks)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from fastdp import PrivacyEngine
+from fastdp.algorithms.base import Batch
+from fastdp.algorithms.dpsgd import clipped_gradient_sum, ghost_clipped_gradient_sum
+from fastdp.nn import TransposedLinear, convert
+
+transformers = pytest.importorskip("transformers")
+VOCAB, T, B = 17, 6, 4
+SMALL = dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+             max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+             num_labels=3)  # fmt: skip
+
+
+class CausalLM(nn.Module):
+    """GPT-2 as a user fine-tunes it: ``GPT2LMHeadModel`` as built (tied ``wte``/``lm_head``, ``Conv1D``, the default
+    attention, position ids made inside), logits of every position; the loss is each example's next-token loss."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=8, n_layer=2, n_head=2,
+                                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                         bos_token_id=0, eos_token_id=0)  # fmt: skip
+        self.lm = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids).logits
+
+
+class Classifier(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per-example mean next-token cross entropy (the labels are the inputs, shifted)."""
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
+
+
+def _class_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def _resnet() -> nn.Module:
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("resnet").ResNet18GN(classes=3)
+
+
+def _build(arch: str) -> tuple[nn.Module, object]:
+    """(model, per-example loss(output, target)) of ``arch``, random init."""
+    if arch == "gpt2":
+        return CausalLM(), _next_token_loss
+    if arch == "bert":
+        return Classifier(transformers.BertForSequenceClassification(transformers.BertConfig(**SMALL))), _class_loss
+    if arch == "roberta":
+        config = transformers.RobertaConfig(**SMALL, pad_token_id=1)
+        return Classifier(transformers.RobertaForSequenceClassification(config)), _class_loss
+    if arch == "distilbert":
+        config = transformers.DistilBertConfig(vocab_size=VOCAB, dim=8, n_layers=1, n_heads=2, hidden_dim=12,
+                                               max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+                                               seq_classif_dropout=0.0, num_labels=3)  # fmt: skip
+        return Classifier(transformers.DistilBertForSequenceClassification(config)), _class_loss
+    return _resnet(), _class_loss
+
+
+def _data(arch: str, b: int = B, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    if arch == "resnet18gn":
+        return torch.randn(b, 3, 8, 8, generator=gen, dtype=torch.float64), torch.randint(0, 3, (b,), generator=gen)
+    ids = torch.randint(2, VOCAB, (b, T), generator=gen)
+    return ids, ids if arch == "gpt2" else torch.randint(0, 3, (b,), generator=gen)
+
+
+ARCHS = ["gpt2", "bert", "roberta", "distilbert", "resnet18gn"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*batching rule.*")  # torch.func over SDPA on CPU
+        yield
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_clipped_sums_of_unmodified_models_equal_torch_func_in_float64(arch):
+    torch.manual_seed(0)
+    model, loss_fn = _build(arch)
+    model = model.double()
+    x, y = _data(arch)
+    batch = Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool))
+    expected, _ = clipped_gradient_sum(copy.deepcopy(model), loss_fn, batch, 0.5)
+    sums, _ = ghost_clipped_gradient_sum(convert(model), loss_fn, batch, 0.5)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert len(sums) == len(expected) == len(params)
+    for s, e in zip(sums, expected, strict=True):
+        torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-14)
+    if arch == "gpt2":  # nothing was changed by hand: tied, Conv1D, SDPA
+        lm = model.lm
+        assert lm.lm_head.weight is lm.transformer.wte.weight and lm.config._attn_implementation == "sdpa"
+        assert sum(isinstance(m, TransposedLinear) for m in model.modules()) == 8
+
+
+def _front_door(model: nn.Module, x, y, variant: str = "dpsgd", sigma: float = 0.0):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    loader = DataLoader(TensorDataset(x, y), batch_size=x.shape[0])
+    extra = {"max_grad_norm": 0.5} if variant == "dpsgd" else {"max_grad_norm": 0.5, "projections": 4}
+    return PrivacyEngine(accountant="rdp" if variant == "dpsgd" else "pld").make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, variant=variant,
+        loss_reduction="sum", reproducible_seed=1, **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_front_door_releases_torch_funcs_clipped_sum_in_float64(arch):
+    """No noise, summed loss, lr 1: the update is the clipped sum itself, computed from the user's own loop."""
+    torch.manual_seed(0)
+    model, loss_fn = _build(arch)
+    model = model.double()
+    x, y = _data(arch)
+    expected, _ = clipped_gradient_sum(copy.deepcopy(model), loss_fn, Batch(x, y, torch.ones(B, dtype=torch.bool)), 0.5)
+    private, optimizer, _ = _front_door(model, x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    loss_fn(private(x), y).sum().backward()
+    optimizer.step()
+    for p, old, e in zip(model.parameters(), before, expected, strict=True):
+        torch.testing.assert_close(old - p.detach(), e, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_jl_trains_every_architecture_through_the_front_door(arch):
+    torch.manual_seed(0)
+    model, loss_fn = _build(arch)
+    x, y = _data(arch, b=6)
+    x = x.float() if x.is_floating_point() else x
+    private, optimizer, _ = _front_door(model, x, y, variant="jl", sigma=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss_fn(private(x), y).sum().backward()
+        optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(not torch.equal(p.detach(), old) for p, old in zip(model.parameters(), before, strict=True))
+
+
+def test_gpt2_with_dropout_trains_through_the_front_door():
+    """Dropout on (training mode): each example's own mask; the row probe passes and steps release."""
+    torch.manual_seed(0)
+    model = CausalLM(dropout=0.1)
+    x, y = _data("gpt2", b=8)
+    private, optimizer, _ = _front_door(model, x, y, sigma=1.0)
+    for _ in range(2):
+        optimizer.zero_grad()
+        _next_token_loss(private(x), y).sum().backward()
+        optimizer.step()
+    assert optimizer.steps_taken == 2
