@@ -46,6 +46,82 @@ class TokenTransformer(nn.Module):
         return self.head(x.mean(1))
 
 
+class LastTokenLM(nn.Module):
+    """A transformers causal LM, unmodified (its LM head over every position, tied to the token embedding; its own
+    position ids and attention), read as a classifier: the first ``classes`` logits of the last position."""
+
+    def __init__(self, lm: nn.Module, classes: int = 10) -> None:
+        super().__init__()
+        self.lm, self.classes = lm, classes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids).logits[:, -1, : self.classes]
+
+
+class Classifier(nn.Module):
+    """A transformers sequence classifier's logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def gpt2(seq: int, lora_rank: int = 0) -> nn.Module:
+    """GPT-2 2 x 128 (4 heads), vocabulary 1000, random init; with ``lora_rank`` frozen, with peft LoRA adapters on
+    the attention and projection Conv1D layers."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=seq, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    lm = GPT2LMHeadModel(config)
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lm = get_peft_model(lm, LoraConfig(r=lora_rank, target_modules=["c_attn", "c_proj"]))
+    return LastTokenLM(lm)
+
+
+def bert(seq: int) -> nn.Module:
+    """BERT 2 x 128 (4 heads, MLP 512), vocabulary 1000, 10 classes, random init."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=512, max_position_embeddings=seq, num_labels=10)  # fmt: skip
+    return Classifier(BertForSequenceClassification(config))
+
+
+class AttentionClassifier(nn.Module):
+    """Token embeddings, one ``nn.MultiheadAttention`` (self-attention, batch first), mean pool, a Linear head."""
+
+    def __init__(self, vocab: int = 1000, d: int = 128, heads: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d)
+        self.attention = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(idx)
+        return self.head((x + self.attention(x, x, x, need_weights=False)[0]).mean(1))
+
+
+class LSTMClassifier(nn.Module):
+    """Token embeddings (64), one ``nn.LSTM`` (hidden 128, batch first), its last hidden state into a Linear head."""
+
+    def __init__(self, vocab: int = 1000, d: int = 64, hidden: int = 128, classes: int = 10) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.tokens(idx))[0][:, -1])
+
+
 def workloads() -> dict:
     """name -> (model factory, input factory(batch, generator), batch size)."""
 
@@ -64,6 +140,11 @@ def workloads() -> dict:
         "transformer-T64": (lambda: TokenTransformer(seq=64), tokens(64), 64),
         "transformer-T512": (lambda: TokenTransformer(seq=512), tokens(512), 64),
         "resnet18gn-32": (ResNet18GN, images((3, 32, 32)), 32),  # CIFAR-10-shaped, 11.2M parameters
+        "gpt2-T128": (lambda: gpt2(128), tokens(128), 32),
+        "gpt2-lora-T128": (lambda: gpt2(128, lora_rank=8), tokens(128), 32),
+        "bert-T128": (lambda: bert(128), tokens(128), 32),
+        "mha-T32": (AttentionClassifier, tokens(32), 64),
+        "lstm-T32": (LSTMClassifier, tokens(32), 64),
     }
 
 
@@ -79,6 +160,10 @@ def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
         return harness.variant_step(variant, model, x, y, LR, micro_batch)
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
+    from opacus.validators import ModuleValidator
+
+    if not ModuleValidator.is_valid(model):  # nn.MultiheadAttention, nn.LSTM: Opacus' DP layers swapped in
+        model = ModuleValidator.fix(model)
 
     if provider == "opacus-hooks":
         module = GradSampleModule(model)

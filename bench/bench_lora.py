@@ -27,7 +27,7 @@ def lora_gpt2(layers: int, width: int, vocab: int, seq: int, rank: int) -> nn.Mo
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab, n_positions=seq,
-                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+                        bos_token_id=0, eos_token_id=0)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return get_peft_model(GPT2LMHeadModel(config), LoraConfig(r=rank, target_modules=["c_attn", "c_proj"]))
@@ -53,7 +53,6 @@ def main() -> None:
     device = torch.device(args.device)
     info = harness.run_info(device)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
-    positions = torch.arange(args.seq, device=device).expand(args.batch, args.seq)
 
     def nonprivate():
         torch.manual_seed(0)
@@ -62,7 +61,7 @@ def main() -> None:
 
         def step():
             optimizer.zero_grad(set_to_none=True)
-            token_losses(model(input_ids=ids, position_ids=positions).logits, ids).mean().backward()
+            token_losses(model(input_ids=ids).logits, ids).mean().backward()
             optimizer.step()
 
         return step
@@ -78,7 +77,7 @@ def main() -> None:
 
         def step():
             optimizer.zero_grad(set_to_none=True)
-            token_losses(model(input_ids=ids, position_ids=positions).logits, ids).mean().backward()
+            token_losses(model(input_ids=ids).logits, ids).mean().backward()
             optimizer.step()
 
         return step
