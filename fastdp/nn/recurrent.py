@@ -18,7 +18,7 @@ W_hh, b_hh ``gh_t = dL/d(h_{t-1} W_hh^T + b_hh)`` (equal on the r and z gates, `
 An LSTM with ``proj_size`` adds ``h_t = m_t W_hr^T``, ``m_t = o_t * tanh(c_t)``: ``dW_hr = sum_t (dL/dh_t)^T m_t``.
 
 A layer is tapped once per call (:meth:`fastdp.nn.ghost.GhostClipping.tap`), so all layers and directions share
-one record. Its output is a *carrier*: zeros ``[B, L * D, T, width]`` (L layers, D directions; width 4H (+ proj_size)
+one record. Its output is a *carrier*: zeros ``[B, T, L * D, width]`` (L layers, D directions; width 4H (+ proj_size)
 for the LSTM, ``[gx | gh]`` = 6H for the GRU, H for the RNN) that every recurrence takes as an input and whose
 gradient it returns as those G's, so after the backward the record holds, batch-first, every g above. The saved A
 are, per layer and direction, the layer's input x (after the dropout between layers), the states h_{t-1} that
@@ -361,8 +361,10 @@ class _Recurrent(DPLayer):
         directions = 2 if self.bidirectional else 1
         gates = GATES[self.mode] * self.hidden_size
         width = {"LSTM": gates + self.proj_size, "GRU": 2 * gates}.get(self.mode, gates)
-        carrier = x.new_zeros(b, self.num_layers * directions, t, width).requires_grad_()
-        blocks = carrier.unbind(1)
+        # positions first: a PackedSequence's padding is then at the end of each example's row (the row probe's
+        # fingerprints of a row do not change when another example changes the longest length)
+        carrier = x.new_zeros(b, t, self.num_layers * directions, width).requires_grad_()
+        blocks = carrier.unbind(2)
         saved, h_n, c_n = [], [], []
         layer_in = x
         for layer in range(self.num_layers):
@@ -424,7 +426,7 @@ class _Recurrent(DPLayer):
             layer, k = divmod(index, directions)
             suffix = f"_l{layer}" + ("_reverse" if k else "")
             x, before = saved[per_block * index], saved[per_block * index + 1]
-            g = grad_out[:, index]
+            g = grad_out[:, :, index]
             if self.mode == "GRU":
                 gx, gh = g[..., :gates], g[..., gates:]
                 linears = [(("weight_ih",), (x,), gx), (("weight_hh",), (before,), gh)]

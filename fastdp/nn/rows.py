@@ -89,7 +89,7 @@ def _layer_rows(module: nn.Module, value) -> torch.Tensor | None:
     (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``, whose output is a tuple) the sequence, batch-first as its DP layer takes it
     (``[T, B, ...]`` without ``batch_first`` transposed, a PackedSequence padded); None for anything else."""
     if isinstance(module, nn.RNNBase):
-        value = value[0] if isinstance(value, tuple) else value
+        value = value[0] if isinstance(value, tuple) and not isinstance(value, PackedSequence) else value
         if isinstance(value, PackedSequence):
             return pad_packed_sequence(value, batch_first=True)[0]
         if isinstance(value, torch.Tensor) and value.dim() == 3 and not module.batch_first:
