@@ -153,12 +153,12 @@ def test_fused_backward_through_time_equals_autograd_of_the_recurrence(mode, pro
     b, t, hsz = 3, 5, 4
     gates, out_size = GATES[mode] * hsz, proj or hsz
     width = {"LSTM": gates + proj, "GRU": 2 * gates}.get(mode, gates)
-    gates_x, h0 = randn(b, t, gates).requires_grad_(), randn(b, out_size).requires_grad_()
+    gates_x, h0 = randn(t, b, gates).requires_grad_(), randn(b, out_size).requires_grad_()  # time-major
     c0 = randn(b, hsz).requires_grad_() if mode == "LSTM" else None
     w_hh, b_hh = randn(gates, out_size) * 0.5, randn(gates) if mode == "GRU" and bias else None
     w_hr = randn(proj, hsz) if proj else None
-    mask = torch.arange(t).unsqueeze(0) < torch.tensor([5, 2, 3]).unsqueeze(1) if masked else None
-    weights = randn(b, t, out_size)
+    mask = torch.arange(t).unsqueeze(1) < torch.tensor([5, 2, 3]).unsqueeze(0) if masked else None
+    weights = randn(t, b, out_size)
     results = []
     for run in (_Recurrence.apply, _reference_recurrence):
         carrier = torch.zeros(b, t, width, dtype=torch.float64, requires_grad=True)
