@@ -396,8 +396,9 @@ class _Recurrent(DPLayer):
         gates = GATES[self.mode] * self.hidden_size
         width = {"LSTM": gates + self.proj_size, "GRU": 2 * gates}.get(self.mode, gates)
         # positions first: a PackedSequence's padding is then at the end of each example's row (the row probe's
-        # fingerprints of a row do not change when another example changes the longest length)
-        carrier = x.new_zeros(b, t, self.num_layers * directions, width).requires_grad_()
+        # fingerprints of a row do not change when another example changes the longest length). One zero, expanded:
+        # its value is read by the reference recurrence only, and nothing is filled
+        carrier = x.new_zeros(()).expand(b, t, self.num_layers * directions, width).requires_grad_()
         blocks = carrier.unbind(2)
         saved, h_n, c_n = [], [], []
         layer_in = x
