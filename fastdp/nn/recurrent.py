@@ -26,11 +26,13 @@ entered each step and, for ``proj_size``, the m_t.
 
 The recurrence (:class:`_Recurrence`) runs a time loop without autograd and writes its own backward through time:
 the input projections of all steps are one GEMM before it, each step one ``h W_hh^T`` GEMM and the gates; an
-autograd graph of the same loop (:func:`_reference_recurrence`, what forward-mode AD runs) costs twice as much on
-CPU, in bookkeeping of its small per-step ops. Reverse directions and PackedSequences run in the input's time frame:
-a reverse direction walks the positions backwards, and a padded position (past a sequence's length) keeps the
-state unchanged, outputs zero and gets zero gradient, so with a reverse direction each sequence starts at its own
-last element, as torch's packed recurrence does.
+autograd graph of the same loop (:func:`_reference_recurrence`, what forward-mode AD runs) costs 2.2 (LSTM) and 4.8
+(GRU) times as much, forward and backward (CPU, one thread, B 64, T 32, H 128: 9.4 against 20.6 ms and 7.3 against
+35 ms), in the bookkeeping of its small per-step ops. Inside, the layers run time-major (each step's rows
+contiguous), whatever ``batch_first`` says. Reverse directions and PackedSequences run in the input's time frame: a
+reverse direction walks the positions backwards, and a padded position (past a sequence's length) keeps the state
+unchanged, outputs zero and gets zero gradient, so with a reverse direction each sequence starts at its own last
+element, as torch's packed recurrence does.
 """
 
 from __future__ import annotations
