@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fastdp.nn as dpnn
 from fastdp import PrivacyEngine
-from fastdp.algorithms import JL, Batch
+from fastdp.algorithms import DPSGD, JL, Batch
 from fastdp.algorithms.base import per_example_cross_entropy as loss_fn
 from fastdp.algorithms.dpsgd import ghost_backward, ghost_clipped_gradient_sum
 from fastdp.algorithms.jl import draw_tangents, jl_projections
@@ -317,6 +317,22 @@ def test_the_row_probe_refuses_batch_first_data_given_to_a_time_major_recurrent_
     nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(UnsupportedLayerError, match=r"rnn \(LSTM\), input of shape \(8, 8, 8\)"):
         opt.step()
+
+
+def test_bf16_autocast_trains_with_the_recurrence_in_the_parameters_dtype():
+    """Under autocast the layer runs in float32 (autocast off inside): its G, A and norms are float32."""
+    torch.manual_seed(0)
+    model = Tokens(nn.LSTM, num_layers=2)
+    variant = DPSGD(1.0, 1.0, 0.1, 160, reproducible_seed=1)
+    variant.set_precision("bf16")
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 10, (16, 7), generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    variant.gradient(model, Batch(x, y, torch.ones(16, dtype=torch.bool)), 0)
+    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16), GhostClipping() as ctx:
+        model(x)
+    (record,) = [r for r in ctx.records if r.layer is model.rnn]
+    assert record.dtype == torch.float32 and all(a.dtype == torch.float32 for a in record.saved)
 
 
 def test_refusals():
