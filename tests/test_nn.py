@@ -224,11 +224,15 @@ def test_convert_swaps_classes_in_place_and_keeps_parameters():
 
 
 def test_unsupported_layers_are_listed_with_alternatives():
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LSTM(4, 4))
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LSTMCell(4, 4))
     with pytest.raises(dpnn.UnsupportedLayerError) as err:
         dpnn.convert(model)
     text = str(err.value)
-    assert "1 (BatchNorm2d): use GroupNorm" in text and "3 (LSTM)" in text and "Supported layers:" in text
+    assert (
+        "1 (BatchNorm2d): use GroupNorm" in text
+        and "3 (LSTMCell): use nn.LSTM over the whole sequence" in text
+        and "Supported layers:" in text
+    )
     frozen = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     frozen[1].requires_grad_(False)
     with pytest.raises(dpnn.UnsupportedLayerError, match="batch statistics in training mode"):

@@ -234,7 +234,7 @@ def test_validate_lists_every_problem_at_once_in_model_order():
         nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular"),  # 0
         nn.BatchNorm2d(8),  # 1
         nn.Flatten(2),  # 2
-        nn.LSTM(4, 4),  # 3
+        nn.LSTMCell(4, 4),  # 3
         Scale(8),  # 4
         tied,  # 5
         tied,  # 6: one layer registered twice
@@ -247,7 +247,7 @@ def test_validate_lists_every_problem_at_once_in_model_order():
         ("0", "Conv2d", "padding-mode", False),
         ("1", "BatchNorm2d", "batch-statistics", True),
         ("1", "BatchNorm2d", "unsupported-layer", True),
-        ("3", "LSTM", "unsupported-layer", False),
+        ("3", "LSTMCell", "unsupported-layer", False),
         ("4", "Scale", "unsupported-layer", False),
         ("5", "Linear", "low-precision", False),
         ("7", "Embedding", "embedding-max-norm", False),
@@ -256,7 +256,7 @@ def test_validate_lists_every_problem_at_once_in_model_order():
     text = {p.kind + p.module: str(p) for p in problems}
     assert "padding_mode='circular'" in text["padding-mode0"]
     assert "F.pad(x, ..., mode='circular')" in text["padding-mode0"]
-    assert "Transformer-style block" in text["unsupported-layer3"]
+    assert "nn.LSTM over the whole sequence (a DP layer)" in text["unsupported-layer3"]
     assert "move the parameter into a supported layer" in text["unsupported-layer4"]
     assert "weight (float16), bias (float16)" in text["low-precision5"]
     assert "set_precision('bf16')" in text["low-precision5"]
@@ -271,7 +271,7 @@ def test_validate_lists_every_problem_at_once_in_model_order():
 
 
 def test_strict_raises_one_error_naming_them_all():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.GRU(4, 4), nn.Embedding(3, 4, sparse=True))
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.GRUCell(4, 4), nn.Embedding(3, 4, sparse=True))
     problems = validate(model)
     with pytest.raises(UnsupportedLayerError) as err:
         validate(model, strict=True)
@@ -282,7 +282,7 @@ def test_strict_raises_one_error_naming_them_all():
     assert "fastdp.nn.fix(model, 'dpsgd') repairs the 3 marked" in text
     assert isinstance(err.value, ValueError)
     fix(model)
-    with pytest.raises(UnsupportedLayerError, match=r"\(1 problems\):\n  2 \(GRU\)") as err:
+    with pytest.raises(UnsupportedLayerError, match=r"\(1 problems\):\n  2 \(GRUCell\)") as err:
         validate(model, "jl", strict=True)
     assert "repairs" not in str(err.value)  # nothing left that fix() repairs
     assert validate(nn.Linear(2, 2), strict=True) == []

@@ -19,6 +19,7 @@ from fastdp.nn.layers import (
     attention_projections,
     conversion,
 )
+from fastdp.nn.recurrent import GRU, LSTM, RNN  # registers them in DP_LAYERS
 from fastdp.nn.validate import (
     Problem,
     UnsupportedLayerError,
@@ -38,11 +39,14 @@ __all__ = [
     "Conv2d",
     "DPLayer",
     "Embedding",
+    "GRU",
     "GhostClipping",
     "GroupNorm",
+    "LSTM",
     "LayerNorm",
     "Linear",
     "Problem",
+    "RNN",
     "TransposedLinear",
     "UnsupportedLayerError",
     "active_context",

@@ -33,6 +33,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fastdp.nn import UnsupportedLayerError
@@ -82,6 +83,19 @@ def _rows_differ(before: tuple, after: tuple, keep: torch.Tensor) -> bool:
         | ((sq[keep] - sq_p[keep]).abs() > 2 * TOLERANCE * sq[keep] + 1e-300).any()
         | (bad[keep] != bad_p[keep]).any()
     )
+
+
+def _layer_rows(module: nn.Module, value) -> torch.Tensor | None:
+    """A watched layer's input or output as the rows it processes: the tensor itself; for a recurrent layer
+    (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``, whose output is a tuple) the sequence, batch-first as its DP layer takes it
+    (``[T, B, ...]`` without ``batch_first`` transposed, a PackedSequence padded); None for anything else."""
+    if isinstance(module, nn.RNNBase):
+        value = value[0] if isinstance(value, tuple) and not isinstance(value, PackedSequence) else value
+        if isinstance(value, PackedSequence):
+            return pad_packed_sequence(value, batch_first=True)[0]
+        if isinstance(value, torch.Tensor) and value.dim() == 3 and not module.batch_first:
+            return value.transpose(0, 1)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _rows_of(x, batch: int) -> list[torch.Tensor]:
@@ -182,12 +196,12 @@ def probe_rows(
         seen: list[tuple[nn.Module, torch.Size, tuple, torch.Size]] = []  # layer, input shape and fingerprint, output
 
         def record(module, args, output, seen=seen):
-            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-                a = args[0]
+            a, out = _layer_rows(module, args[0] if args else None), _layer_rows(module, output)
+            if a is not None and out is not None:
                 own = a.dim() and a.shape[0] == batch
                 # an input not batch-first (an index shared by the examples) is compared whole: it must not change
                 summary = (own, _fingerprint(a if own else a.reshape(1, -1)))
-                seen.append((module, a.shape, summary, output.shape))
+                seen.append((module, a.shape, summary, out.shape))
 
         handles = [layer.register_forward_hook(record) for layer in layers]
         try:
@@ -235,7 +249,8 @@ def _compare(run, perturbed, k: int, batch: int, names: dict, what: str) -> None
         raise UnsupportedLayerError(
             f"{what} needs each row of the batch to be one example, but changing example {k} alone changed other "
             "rows of: " + "; ".join(dict.fromkeys(mixed)) + ". A layer called on a sequence-first [T, B, ...] view "
-            "(e.g. nn.MultiheadAttention or an RNN without batch_first=True, or a transpose before a Linear) is "
+            "(e.g. nn.MultiheadAttention, a transpose before a Linear, or a batch-first tensor given to an RNN without "
+            "batch_first=True) is "
             "applied per position, not per example, and an operation over the batch dimension (batch statistics, "
             "a layer applied along it) makes one example change the others, and a layer called on an input shared "
             "by the batch (a [T] position index broadcast over the examples) has rows that are not examples: keep "

@@ -14,8 +14,8 @@ What a model must satisfy depends on the variant (``docs/validate.md``):
   InstanceNorm writing running statistics), no Embedding with ``max_norm`` (its forward writes the batch's tokens
   into the model), trainable parameters in float32 or float64;
 * ``dpsgd`` (ghost mode) and ``jl``: trainable parameters only in the DP layers of :data:`fastdp.nn.layers.DP_LAYERS`
-  (Linear, Conv1d, Conv2d, Embedding, LayerNorm, GroupNorm; their subclasses that keep their forward; HuggingFace's
-  Conv1D: :func:`fastdp.nn.layers.conversion`), none shared by two layers, trainable convolutions
+  (Linear, Conv1d, Conv2d, Embedding, LayerNorm, GroupNorm, RNN, LSTM, GRU; their subclasses that keep their
+  forward; HuggingFace's Conv1D: :func:`fastdp.nn.layers.conversion`), none shared by two layers, trainable convolutions
   with ``padding_mode='zeros'`` and integer padding, trainable embeddings dense;
 * ``dpsgd-reference`` (``DPSGD(mode='reference')``): any module torch.func differentiates per example (dense
   embeddings);
@@ -67,9 +67,9 @@ AUTOCAST_VARIANTS = ("dpsgd", "nonprivate")
 _ALTERNATIVES = {
     "BatchNorm": "GroupNorm (or LayerNorm): batch statistics mix examples, so per-example gradients do not exist",
     "InstanceNorm": "GroupNorm with num_groups = channels and affine=True",
-    "RNN": "a Transformer-style block of Linear/LayerNorm/Embedding layers",
-    "LSTM": "a Transformer-style block of Linear/LayerNorm/Embedding layers",
-    "GRU": "a Transformer-style block of Linear/LayerNorm/Embedding layers",
+    "RNNCell": "nn.RNN over the whole sequence (a DP layer) instead of a loop of cells",
+    "LSTMCell": "nn.LSTM over the whole sequence (a DP layer) instead of a loop of cells",
+    "GRUCell": "nn.GRU over the whole sequence (a DP layer) instead of a loop of cells",
     "MultiheadAttention": "attention written with fastdp.nn.Linear projections",
     "NonDynamicallyQuantizableLinear": "attention written with fastdp.nn.Linear projections (this is the output "
     "projection of an nn.MultiheadAttention)",
