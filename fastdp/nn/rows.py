@@ -83,6 +83,15 @@ def _rows_differ(before: tuple, after: tuple, keep: torch.Tensor) -> bool:
     )
 
 
+def _batch_first(layer: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """A watched layer's input or output as the layer processes it, one example per row: a sequence-first
+    ``nn.MultiheadAttention`` (``batch_first=False``, 3-D) holds example i in column i, and its DP layer transposes it
+    to row i (``fastdp.nn.attention``); any other layer's tensor as it is."""
+    if isinstance(layer, nn.MultiheadAttention) and not layer.batch_first and t.dim() == 3:
+        return t.transpose(0, 1)
+    return t
+
+
 def _rows_of(x, batch: int) -> list[torch.Tensor]:
     """The batch-first tensors of an input structure (a tensor, or tuples, lists and dicts of them, e.g. a forward's
     ``(args, kwargs)``): every tensor leaf whose first dimension is the batch."""
@@ -176,8 +185,9 @@ def probe_rows(
         seen: list[tuple[nn.Module, torch.Size, tuple, torch.Size]] = []  # layer, input shape and fingerprint, output
 
         def record(module, args, output, seen=seen):
+            output = output[0] if isinstance(output, tuple) and output else output  # attention: (output, weights)
             if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-                a = args[0]
+                a, output = _batch_first(module, args[0]), _batch_first(module, output)
                 summary = _fingerprint(a) if a.dim() and a.shape[0] == batch else None
                 seen.append((module, a.shape, summary, output.shape))
 
@@ -213,7 +223,7 @@ def probe_rows(
         raise UnsupportedLayerError(
             f"{what} needs each row of the batch to be one example, but changing example {k} alone changed other "
             "rows of: " + "; ".join(dict.fromkeys(mixed)) + ". A layer called on a sequence-first [T, B, ...] view "
-            "(e.g. nn.MultiheadAttention or an RNN without batch_first=True, or a transpose before a Linear) is "
+            "(e.g. an RNN without batch_first=True, or a transpose before a Linear) is "
             "applied per position, not per example, and an operation over the batch dimension (batch statistics, "
             "a layer applied along it) makes one example change the others, and a layer called on an input shared "
             "by the batch (a [T] position index broadcast over the examples) has rows that are not examples: keep "
