@@ -119,7 +119,6 @@ class MultiheadAttention(nn.MultiheadAttention, DPLayer):
         src = key.shape[1]
         q, k, v, bias_rows = self._in_projection(ctx, query, key, value, self_attention, shared_kv)
         heads, head_dim = self.num_heads, self.head_dim
-        q, k, v = (t.unflatten(-1, (heads, head_dim)).transpose(1, 2) for t in (q, k, v))  # [B, h, T, hd]
         appended = 0
         if bias_rows is not None:  # bias_k, bias_v as one more key/value position
             rows = bias_rows.unflatten(-1, (heads, head_dim)).transpose(1, 2)  # [B, h, 2, hd]
@@ -144,8 +143,9 @@ class MultiheadAttention(nn.MultiheadAttention, DPLayer):
         return out, weights
 
     def _in_projection(self, ctx, query, key, value, self_attention: bool, shared_kv: bool):
-        """(q [B, L, E], k, v [B, S, E], the bias_k/bias_v rows [B, 2, E] or None), batch-first, from detached
-        parameters: one Linear per input group, then the one tap of the layer's own parameters (module docstring)."""
+        """(q [B, h, L, head_dim], k, v [B, h, S, head_dim], the bias_k/bias_v rows [B, 2, E] or None), batch-first,
+        from detached parameters: one Linear per input group, then the one tap of the layer's own parameters (module
+        docstring)."""
         e, b = self.embed_dim, query.shape[0]
         packed = self._qkv_same_embed_dim
         rows = _GROUP_ROWS[1 if self_attention and packed else 2 if shared_kv and packed else 3]
@@ -162,15 +162,23 @@ class MultiheadAttention(nn.MultiheadAttention, DPLayer):
             parts = [*pieces, *([bias_rows] if bias_rows is not None else [])]
             sizes = [math.prod(t.shape[1:]) for t in parts]
             flat = [t.reshape(b, n) for t, n in zip(parts, sizes, strict=True)]
-            carrier = pieces[0] if len(parts) == 1 else torch.cat(flat, 1)
-            inputs = tuple(_as_consumed(x) for x in (query, key, value)[: len(rows)])
-            flat = ctx.tap(self, inputs, carrier).reshape(b, sum(sizes))
-            parts = [piece.view(t.shape) for piece, t in zip(flat.split(sizes, 1), parts, strict=True)]
-            pieces, bias_rows = parts[: len(pieces)], (parts[-1] if bias_rows is not None else None)
-        if len(pieces) == 3:
-            return (*pieces, bias_rows)
-        k, v = pieces[-1][..., -2 * e :].chunk(2, -1)  # the [B, T, 3E] or [B, S, 2E] group's last 2E features
-        return pieces[0][..., :e], k, v, bias_rows
+            carrier = parts[0] if len(parts) == 1 else torch.cat(flat, 1)
+            carrier = ctx.tap(self, tuple(_as_consumed(x) for x in (query, key, value)[: len(rows)]), carrier)
+            if len(parts) == 1:
+                pieces = [carrier]
+            else:
+                parts = [piece.view(t.shape) for piece, t in zip(carrier.split(sizes, 1), parts, strict=True)]
+                pieces, bias_rows = parts[: len(pieces)], (parts[-1] if bias_rows is not None else None)
+        heads = [self._heads(t) for t in pieces]  # q, k, v as [B, h, T, hd], views of the groups' outputs
+        return *(t for group in heads for t in group), bias_rows
+
+    def _heads(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The n projections of a group's output [B, T, n E] as [B, h, T, head_dim] views. Unbound from one
+        permuted view, not sliced: the backward then stacks their gradients in one copy (slices' backward fills a
+        zero [B, T, n E] tensor per slice and adds into it)."""
+        if t.shape[-1] == self.embed_dim:
+            return (t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2),)
+        return t.unflatten(-1, (-1, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
 
     def _mask(self, attn_mask, key_padding_mask, b: int, tgt: int, src: int, appended: int, dtype: torch.dtype):
         """The additive float mask [B or 1, h or 1, L, S + appended] of ``attn_mask`` (2-D [L, S], or 3-D
