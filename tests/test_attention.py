@@ -501,3 +501,26 @@ def test_the_row_probe_accepts_a_sequence_first_attention_and_refuses_one_across
     nn.functional.cross_entropy(private(data.x[:8]), data.y[:8]).backward()
     with pytest.raises(UnsupportedLayerError, match=r"attention \(MultiheadAttention\), input of shape"):
         optimizer.step()
+
+
+def test_compiled_dpsgd_step_with_attention_matches_eager():
+    """DPSGD.compile (aot_eager): the DP attention's forward (its tap a graph break, as every DP layer's) and its
+    per-example work compile, with the eager step's gradients."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = SelfAttentionNet(add_bias_kv=True, padding=True)
+    compiled = copy.deepcopy(eager)
+    batch = _tokens(b=8)
+    plain, fast = DPSGD(0.5, 0.5, 0.1, 80, reproducible_seed=1), DPSGD(0.5, 0.5, 0.1, 80, reproducible_seed=1)
+    fast.compile(backend="aot_eager")
+    for step in range(2):
+        plain.gradient(eager, batch, step)
+        fast.gradient(compiled, batch, step)
+        for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    torch._dynamo.reset()
