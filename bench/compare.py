@@ -19,14 +19,16 @@ tf-privacy), so import side effects, allocator caches and peak-memory counters n
 another. The price: providers are timed one after the other, not interleaved, so on a shared machine the ratios
 carry the load drift between processes (the provider order rotates from workload to workload).
 
-Workloads: bench_dpsgd.py's (imported from it: MLP 784-512-512-10 at batch 256 and 4096, Opacus' MNIST CNN, a
-token transformer with T = 64 and 512), and the lip-dp speed experiment (papers/00 §4.2): VGG5-like CNNs on
-CIFAR-10-shaped inputs with about 130K, 510K and 2M parameters (``lipcnn-*``), the batch doubled from
---start-batch up to --max-batch. On CUDA the growth stops at the first out-of-memory error (the largest batch
-before OOM is reported). On CPU it stops before the next batch would exceed --memory-budget-mb of peak RSS growth
-(extrapolated linearly in the batch) or --max-step-s per step: a CPU run reports the largest batch within that
-budget, not an OOM point, and says so; a worker whose resident set passes --memory-cap-mb is killed (a guard for
-the machine; its row says so). DP-SGD-type providers and tf-privacy run the plain CNN (nn.Conv2d, no bias,
+Workloads: bench_dpsgd.py's (imported from it: MLP 784-512-512-10 at batch 256 and 4096, Opacus' MNIST CNN, a token
+transformer with T = 64 and 512, ResNet-18-GN at B 32, and real architectures unmodified: transformers GPT-2 2 x 128
+(vocabulary 1000, tied head over every position) at B 32 T 128, the same frozen with LoRA r = 8, BERT 2 x 128 at B
+32 T 128, an nn.MultiheadAttention and an nn.LSTM classifier at B 64 T 32), and the lip-dp speed experiment
+(papers/00 §4.2): VGG5-like CNNs on CIFAR-10-shaped inputs with about 130K, 510K and 2M parameters (``lipcnn-*``),
+the batch doubled from --start-batch up to --max-batch. On CUDA the growth stops at the first out-of-memory error
+(the largest batch before OOM is reported). On CPU it stops before the next batch would exceed --memory-budget-mb of
+peak RSS growth (extrapolated linearly in the batch) or --max-step-s per step: a CPU run reports the largest batch
+within that budget, not an OOM point, and says so; a worker whose resident set passes --memory-cap-mb is killed (a
+guard for the machine; its row says so). DP-SGD-type providers and tf-privacy run the plain CNN (nn.Conv2d, no bias,
 GroupSort2, L2-norm pooling), clipless its Lipschitz twin (RKO convolutions, BoundedInput).
 
 Reported per row: median ms/step (p20, p80) — triton's do_bench on CUDA, a wall-clock loop after warm-up on CPU —,

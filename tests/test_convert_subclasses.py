@@ -209,14 +209,14 @@ def test_every_refused_module_in_one_error():
         assert part in message, part
 
 
-def test_the_output_projection_of_multihead_attention_stays_refused():
-    """nn.MultiheadAttention reads out_proj.weight directly and never calls out_proj: converting it would leave its
-    parameters outside any DP layer call, so convert() leaves it and validate() names it."""
+def test_the_output_projection_of_multihead_attention_is_converted_with_it():
+    """torch's attention reads out_proj.weight directly and never calls out_proj; the DP attention calls it, so
+    convert() makes it a DP Linear (NonDynamicallyQuantizableLinear kept), trainable alone too (tests/test_attention.py
+    for the attention itself, and the subclass overriding forward whose out_proj stays refused)."""
     attention = nn.MultiheadAttention(4, 2)
     attention.in_proj_weight.requires_grad_(False)
     attention.in_proj_bias.requires_grad_(False)
     model = nn.Sequential(attention)
-    assert [p.module for p in validate(model)] == ["0.out_proj"]
-    with pytest.raises(UnsupportedLayerError, match=r"0\.out_proj \(NonDynamicallyQuantizableLinear\)"):
-        convert(model)
-    assert not isinstance(attention.out_proj, DPLayer)
+    assert validate(model) == []
+    convert(model)
+    assert isinstance(attention.out_proj, Linear) and isinstance(attention.out_proj, NonDynamicallyQuantizableLinear)

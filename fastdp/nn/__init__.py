@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fastdp.nn.attention import MultiheadAttention  # registers it in DP_LAYERS
 from fastdp.nn.ghost import GhostClipping, active_context
 from fastdp.nn.layers import (
     DP_LAYERS,
@@ -45,6 +46,7 @@ __all__ = [
     "LSTM",
     "LayerNorm",
     "Linear",
+    "MultiheadAttention",
     "Problem",
     "RNN",
     "TransposedLinear",
@@ -66,10 +68,12 @@ __all__ = [
 def convert(model: nn.Module) -> nn.Module:
     """Turn every supported layer of ``model`` into its fastdp DP layer, in place, and check the rest.
 
-    Supported: the torch layers of :data:`~fastdp.nn.layers.DP_LAYERS`, their subclasses that do not override
-    ``forward`` (e.g. ``NonDynamicallyQuantizableLinear``, a user's ``nn.Linear`` subclass with methods of its own:
-    they keep their class, ``isinstance`` included; not the ``out_proj`` of an ``nn.MultiheadAttention``, which the
-    attention never calls) and HuggingFace's ``transformers.pytorch_utils.Conv1D``
+    Supported: the torch layers of :data:`~fastdp.nn.layers.DP_LAYERS` (``nn.MultiheadAttention`` included:
+    :class:`~fastdp.nn.attention.MultiheadAttention`, whose ``out_proj`` becomes a DP Linear it calls), their
+    subclasses that do not override ``forward`` (e.g. ``NonDynamicallyQuantizableLinear``, a user's ``nn.Linear``
+    subclass with methods of its own: they keep their class, ``isinstance`` included; not the ``out_proj`` of an
+    attention left unconverted, which torch's attention never calls) and HuggingFace's
+    ``transformers.pytorch_utils.Conv1D``
     (:class:`~fastdp.nn.layers.TransposedLinear`); see :func:`~fastdp.nn.layers.conversion` and ``docs/convert.md``.
     Parameters, buffers and hooks stay as they are (the class is swapped, nothing is copied), so an optimizer
     built before the call and the ``state_dict`` are unchanged. Raises one :class:`UnsupportedLayerError` naming
@@ -77,7 +81,7 @@ def convert(model: nn.Module) -> nn.Module:
     layers, with the reason where a subclass is refused; layers that mix examples; Embeddings with
     ``max_norm``). Returns ``model``.
     """
-    unconverted = attention_projections(model)  # never called by their attention: its weights are read directly
+    unconverted = attention_projections(model)  # never called by torch's attention: its weights are read directly
     for module in model.modules():
         dp_class, _ = conversion(module) if id(module) not in unconverted else (None, None)
         if dp_class is not None:

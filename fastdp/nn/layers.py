@@ -162,6 +162,17 @@ def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) ->
     return _rowsq(per_example)
 
 
+def _clipped_weight_sum(a: torch.Tensor, grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``sum_i c_i g_i^T a_i`` [p, d] for a [B, ..., d], G [B, ..., p]: one GEMM over every example's positions, the
+    narrower of G and A scaled by c (a Linear's clipped weight sum, in the accumulation dtype)."""
+    acc = _acc(a)
+    if a.shape[-1] < grad_out.shape[-1]:
+        g, scaled = grad_out.to(acc), _scale_rows(a, factors)
+    else:
+        g, scaled = _scale_rows(grad_out, factors), a.to(acc)
+    return g.reshape(-1, g.shape[-1]).t() @ scaled.reshape(-1, scaled.shape[-1])
+
+
 def _scale_rows(grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """c_i * G_i for each example i, in the accumulation dtype (clipped sums in fp32 for half types)."""
     acc = _acc(grad_out)
@@ -295,13 +306,7 @@ class Linear(nn.Linear, DPLayer):
         if self.weight.requires_grad and cache and "weight" in cache:
             sums.append(_weighted(factors, cache["weight"]))
         elif self.weight.requires_grad:
-            # sum_i c_i g_i^T a_i as one GEMM, scaling the narrower of G [.., p] and A [.., d] by c
-            acc = _acc(a)
-            if a.shape[-1] < grad_out.shape[-1]:
-                g, scaled = grad_out.to(acc), _scale_rows(a, factors)
-            else:
-                g, scaled = _scale_rows(grad_out, factors), a.to(acc)
-            sums.append(g.reshape(-1, g.shape[-1]).t() @ scaled.reshape(-1, scaled.shape[-1]))
+            sums.append(_clipped_weight_sum(a, grad_out, factors))
         if self.bias is not None and self.bias.requires_grad:
             bias = cache["bias"] if cache and "bias" in cache else self._flat(a, grad_out)[1].sum(1)
             sums.append(_weighted(factors, bias))
@@ -733,10 +738,12 @@ _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
 def attention_projections(model: nn.Module) -> set[int]:
-    """``id``s of the output projections of ``model``'s ``nn.MultiheadAttention`` modules (its
-    ``NonDynamicallyQuantizableLinear`` ``out_proj``): the attention reads their weights directly and never calls
-    them, so :func:`fastdp.nn.convert` leaves them as they are (refused where trainable)."""
-    return {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    """``id``s of the output projections (``out_proj``) of ``model``'s ``nn.MultiheadAttention`` modules that are
+    neither fastdp's DP attention nor converted to it by :func:`fastdp.nn.convert` (a subclass that overrides
+    ``forward``): torch's attention reads their weights directly and never calls them, so ``convert`` leaves them as
+    they are (refused where trainable)."""
+    return {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)
+            and not isinstance(m, DPLayer) and conversion(m)[0] is None}  # fmt: skip
 
 
 def _supported_base(cls: type) -> tuple[type | None, type | None]:

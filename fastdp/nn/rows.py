@@ -86,13 +86,19 @@ def _rows_differ(before: tuple, after: tuple, keep: torch.Tensor) -> bool:
 
 
 def _layer_rows(module: nn.Module, value) -> torch.Tensor | None:
-    """A watched layer's input or output as the rows it processes: the tensor itself; for a recurrent layer
-    (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``, whose output is a tuple) the sequence, batch-first as its DP layer takes it
-    (``[T, B, ...]`` without ``batch_first`` transposed, a PackedSequence padded); None for anything else."""
+    """A watched layer's input or output as the rows it processes, one example per row: the tensor itself; for a
+    recurrent layer (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``, whose output is a tuple) the sequence, batch-first as its DP
+    layer takes it (``[T, B, ...]`` without ``batch_first`` transposed, a PackedSequence padded); for an
+    ``nn.MultiheadAttention`` (output ``(output, weights)``) its query or output, transposed when it is sequence-first
+    (``batch_first=False``, 3-D: its DP layer transposes it, ``fastdp.nn.attention``); None for anything else."""
     if isinstance(module, nn.RNNBase):
         value = value[0] if isinstance(value, tuple) and not isinstance(value, PackedSequence) else value
         if isinstance(value, PackedSequence):
             return pad_packed_sequence(value, batch_first=True)[0]
+        if isinstance(value, torch.Tensor) and value.dim() == 3 and not module.batch_first:
+            return value.transpose(0, 1)
+    if isinstance(module, nn.MultiheadAttention):
+        value = value[0] if isinstance(value, tuple) and value else value
         if isinstance(value, torch.Tensor) and value.dim() == 3 and not module.batch_first:
             return value.transpose(0, 1)
     return value if isinstance(value, torch.Tensor) else None
@@ -249,8 +255,8 @@ def _compare(run, perturbed, k: int, batch: int, names: dict, what: str) -> None
         raise UnsupportedLayerError(
             f"{what} needs each row of the batch to be one example, but changing example {k} alone changed other "
             "rows of: " + "; ".join(dict.fromkeys(mixed)) + ". A layer called on a sequence-first [T, B, ...] view "
-            "(e.g. nn.MultiheadAttention, a transpose before a Linear, or a batch-first tensor given to an RNN without "
-            "batch_first=True) is "
+            "(e.g. an RNN or nn.MultiheadAttention given batch-first data without batch_first=True, or a transpose "
+            "before a Linear) is "
             "applied per position, not per example, and an operation over the batch dimension (batch statistics, "
             "a layer applied along it) makes one example change the others, and a layer called on an input shared "
             "by the batch (a [T] position index broadcast over the examples) has rows that are not examples: keep "

@@ -14,9 +14,9 @@ What a model must satisfy depends on the variant (``docs/validate.md``):
   InstanceNorm writing running statistics), no Embedding with ``max_norm`` (its forward writes the batch's tokens
   into the model), trainable parameters in float32 or float64;
 * ``dpsgd`` (ghost mode) and ``jl``: trainable parameters only in the DP layers of :data:`fastdp.nn.layers.DP_LAYERS`
-  (Linear, Conv1d, Conv2d, Embedding, LayerNorm, GroupNorm, RNN, LSTM, GRU; their subclasses that keep their
-  forward; HuggingFace's Conv1D: :func:`fastdp.nn.layers.conversion`), none shared by two layers, trainable convolutions
-  with ``padding_mode='zeros'`` and integer padding, trainable embeddings dense;
+  (Linear, Conv1d, Conv2d, Embedding, LayerNorm, GroupNorm, RNN, LSTM, GRU, MultiheadAttention; their subclasses that
+  keep their forward; HuggingFace's Conv1D: :func:`fastdp.nn.layers.conversion`; a parameter may be shared by several
+  layer calls), trainable convolutions with ``padding_mode='zeros'`` and integer padding, trainable embeddings dense;
 * ``dpsgd-reference`` (``DPSGD(mode='reference')``): any module torch.func differentiates per example (dense
   embeddings);
 * ``backprop``: trainable parameters only in Linear and Conv2d, none shared, convolutions with zero padding;
@@ -70,9 +70,10 @@ _ALTERNATIVES = {
     "RNNCell": "nn.RNN over the whole sequence (a DP layer) instead of a loop of cells",
     "LSTMCell": "nn.LSTM over the whole sequence (a DP layer) instead of a loop of cells",
     "GRUCell": "nn.GRU over the whole sequence (a DP layer) instead of a loop of cells",
-    "MultiheadAttention": "attention written with fastdp.nn.Linear projections",
-    "NonDynamicallyQuantizableLinear": "attention written with fastdp.nn.Linear projections (this is the output "
-    "projection of an nn.MultiheadAttention)",
+    "MultiheadAttention": "nn.MultiheadAttention itself (fastdp.nn.convert makes it a DP layer; not a subclass that "
+    "overrides forward), or attention written with nn.Linear projections",
+    "NonDynamicallyQuantizableLinear": "nn.MultiheadAttention itself, whose out_proj fastdp.nn.convert makes a DP "
+    "Linear it calls (this is the output projection of an attention left unconverted)",
     "ConvTranspose": "nn.Upsample followed by a Conv2d",
     "Conv3d": "Conv2d or Conv1d layers",
     "Bilinear": "Linear layers on the two inputs (or on their concatenation)",
