@@ -96,17 +96,17 @@ def bert(seq: int) -> nn.Module:
 
 
 class AttentionClassifier(nn.Module):
-    """Token embeddings, one ``nn.MultiheadAttention`` (self-attention, batch first), mean pool, a Linear head."""
+    """Token Embedding -> nn.MultiheadAttention (batch-first self-attention) -> mean over positions -> Linear."""
 
-    def __init__(self, vocab: int = 1000, d: int = 128, heads: int = 4, classes: int = 10) -> None:
+    def __init__(self, vocab: int = 1000, dim: int = 128, heads: int = 4, classes: int = 10) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(vocab, d)
-        self.attention = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.head = nn.Linear(d, classes)
+        self.embed = nn.Embedding(vocab, dim)
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.head = nn.Linear(dim, classes)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(idx)
-        return self.head((x + self.attention(x, x, x, need_weights=False)[0]).mean(1))
+        h = self.embed(idx)
+        return self.head(self.attention(h, h, h, need_weights=False)[0].mean(1))
 
 
 class LSTMClassifier(nn.Module):

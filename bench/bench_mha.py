@@ -19,24 +19,11 @@ import warnings
 import bench_dpsgd
 import harness
 import torch
+from bench_dpsgd import AttentionClassifier
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fastdp import PrivacyEngine
-
-
-class AttentionClassifier(nn.Module):
-    """Token Embedding -> nn.MultiheadAttention (batch-first self-attention) -> mean over positions -> Linear."""
-
-    def __init__(self, vocab: int, dim: int, heads: int, classes: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.embed(idx)
-        return self.head(self.attention(h, h, h, need_weights=False)[0].mean(1))
 
 
 def main() -> None:
