@@ -127,11 +127,11 @@ def test_cancelling_uses_stay_within_the_clip_bound_in_float32(monkeypatch):
             sums, _ = ghost_clipped_gradient_sum(model, loss_fn, Batch(x, y, alone), clip)
             assert torch.sqrt(sum(s.double().pow(2).sum() for s in sums)) <= clip * (1 + 1e-6)
         run = ghost_backward(model, loss_fn, Batch(x, y, torch.ones(4, dtype=torch.bool)))
-        row, _ = forms.formed_norm_sq(run.layers, run.saved, run.grads_out, torch.float32, 1 << 30)
+        uses = forms.parameter_uses(run.layers, run.saved, run.grads_out)
+        row = forms.formed_norm_sq(uses, torch.float32, 1 << 30)
         if path == "gram":  # the bound covers the exact norm of the float32 A and G (float64 products are exact)
-            uses = forms._uses(run.layers, run.saved, run.grads_out)
-            exact = sum(sum(forms.dense(f, p.shape, torch.float64) for f in fs).reshape(4, -1).pow(2).sum(1)
-                        for p, fs in uses.values())  # fmt: skip
+            exact = sum(sum(forms.dense(f, u.param.shape, torch.float64) for f in u.forms).reshape(4, -1).pow(2).sum(1)
+                        for u in uses)  # fmt: skip
             assert torch.all(row.double() >= exact)
 
 
@@ -155,3 +155,32 @@ def test_per_layer_clipping_of_shared_parameters_is_refused():
     layers = [m for m in model.modules() if hasattr(m, "dp_parameters") and m.dp_parameters()]
     with pytest.raises(ValueError, match="per-layer clipping needs each trainable parameter in one layer"):
         ghost_clipped_gradient_sum(model, per_example_cross_entropy, _batch(), [1.0] * len(layers))
+
+
+@pytest.mark.parametrize("path", ["direct", "gram"])
+def test_a_non_finite_example_of_a_shared_layer_contributes_zero_under_bf16(path, monkeypatch):
+    """bf16 autocast: an example whose norm is not finite (a NaN input) is dropped per example, the shared
+    parameters' forms and per-example gradients cleaned like every layer's A and G: the sums are those of the batch
+    without it."""
+    monkeypatch.setattr(forms, "direct_is_cheaper", lambda uses, numel: path == "direct")
+    torch.manual_seed(0)
+    model = convert(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)))
+    model[2] = model[0]  # one layer called twice
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    x[2, 1] = float("nan")
+    without = torch.ones(5, dtype=torch.bool)
+    without[2] = False
+
+    def forward(module, inputs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return module(inputs)
+
+    got, _ = ghost_clipped_gradient_sum(model, per_example_cross_entropy, Batch(x, y, torch.ones(5, dtype=torch.bool)),
+                                        0.5, forward=forward, finite_only=True)  # fmt: skip
+    clean = x.clone()
+    clean[2] = 0
+    expected, _ = ghost_clipped_gradient_sum(model, per_example_cross_entropy, Batch(clean, y, without), 0.5,
+                                             forward=forward, finite_only=True)  # fmt: skip
+    for g, e in zip(got, expected, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, e)

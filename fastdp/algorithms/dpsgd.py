@@ -79,7 +79,7 @@ from fastdp.nn import (
     convert,
     refuse_batch_statistics,
 )
-from fastdp.nn.forms import formed_norm_sq, formed_sums, shared_parameters
+from fastdp.nn.forms import formed_norm_sq, formed_sums, map_tensors, parameter_uses, shared_parameters
 from fastdp.nn.layers import DIRECT_MEMORY_BUDGET
 from fastdp.ops import clip_factors
 from fastdp.privacy.accounting import per_layer_noise_multiplier
@@ -303,10 +303,9 @@ def _clip_and_sum(
     calls = list(zip(layers, saved, grads_out, caches, alone, strict=True))
     rows = [layer.per_example_sq_norms(a, g, cache) for layer, a, g, cache, own in calls if own]
     formed = [i for i, own in enumerate(alone) if not own]
-    direct = {}
-    if formed:
-        row, direct = formed_norm_sq([layers[i] for i in formed], [saved[i] for i in formed],
-                                     [grads_out[i] for i in formed], acc, DIRECT_MEMORY_BUDGET)  # fmt: skip
+    uses = parameter_uses([layers[i] for i in formed], [saved[i] for i in formed], [grads_out[i] for i in formed])
+    if uses:
+        row = formed_norm_sq(uses, acc, DIRECT_MEMORY_BUDGET)
         rows.append(row.to(rows[0].dtype) if rows else row)
     sq_norms = torch.stack(rows)
     inexact = math.frexp(loss_scale)[0] != 0.5  # a power of two divides exactly (fp16's loss scale)
@@ -324,14 +323,11 @@ def _clip_and_sum(
         factors = torch.where(keep, factors, 0)
         saved, grads_out, losses = _finite_entries(saved), _finite_entries(grads_out), torch.where(keep, losses, 0)
         caches = [None if cache is None else {k: _finite_entries(v) for k, v in cache.items()} for cache in caches]
-        direct = {k: _finite_entries(v) for k, v in direct.items()}
+        uses = map_tensors(uses, _finite_entries)
     own_factors = iter(factors)
     sums = [layer.clipped_grad_sums(a, g, next(own_factors), cache) if own else None
             for layer, a, g, cache, own in zip(layers, saved, grads_out, caches, alone, strict=True)]  # fmt: skip
-    shared_sums = {}
-    if formed:
-        shared_sums = formed_sums([layers[i] for i in formed], [saved[i] for i in formed],
-                                  [grads_out[i] for i in formed], factors[-1], direct, acc)  # fmt: skip
+    shared_sums = formed_sums(uses, factors[-1], acc) if uses else {}
     return sums, shared_sums, losses.sum(), dropped
 
 

@@ -25,6 +25,8 @@ bound on ``||sum_u g_u||^2`` is the clamped float64 sum plus ``gamma_K (sum_u m_
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -44,6 +46,9 @@ class Dense:
     def positions(self) -> int:
         return 0
 
+    def examples(self) -> int:
+        return self.t.shape[0]
+
 
 @dataclass
 class Outer:
@@ -54,6 +59,9 @@ class Outer:
 
     def positions(self) -> int:
         return self.left.shape[1]
+
+    def examples(self) -> int:
+        return self.left.shape[0]
 
 
 @dataclass
@@ -67,6 +75,9 @@ class Rows:
 
     def positions(self) -> int:
         return self.g.shape[1]
+
+    def examples(self) -> int:
+        return self.g.shape[0]
 
 
 Form = Dense | Outer | Rows
@@ -194,11 +205,11 @@ def clipped_sum(form: Form, factors: torch.Tensor, shape: torch.Size, dtype: tor
 
 
 def direct_is_cheaper(uses: list[Form], numel: int) -> bool:
-    """Whether forming the uses' per-example gradients (``sum_u T_u numel`` multiply-adds for a product form, a zero
-    fill and scatter of ``numel`` per example for Rows: about 64 Gram multiply-adds per element, see
-    :class:`fastdp.nn.layers.Embedding`) costs less than the float64 Grams of every pair of uses (about twice an
-    fp32 multiply-add each: ``fastdp.nn.layers._use_ghost``)."""
-    direct = sum(f.positions() * numel if isinstance(f, Outer) else 64 * numel if isinstance(f, Rows) else numel
+    """Whether forming the uses' per-example gradients costs less than the float64 Grams of every pair of uses, in
+    fp32 multiply-adds: a product form ``T_u numel``; Rows a zero fill, scatter and norm of ``numel`` per example,
+    about 64 float64 Gram multiply-adds per element (the rule of :class:`fastdp.nn.layers.Embedding`); a float64
+    multiply-add about two fp32 ones (``fastdp.nn.layers._use_ghost``: for one product form this is its rule)."""
+    direct = sum(f.positions() * numel if isinstance(f, Outer) else 128 * numel if isinstance(f, Rows) else numel
                  for f in uses)  # fmt: skip
     gram = sum(2 * max(f.positions(), 1) * max(h.positions(), 1) * (_width(f) + _width(h)) // 2
                for f in uses for h in uses)  # fmt: skip
@@ -215,56 +226,65 @@ def shared_parameters(layers: list) -> set[int]:
     return shared
 
 
-def _uses(layers: list, saved: list, grads_out: list) -> dict[int, tuple[torch.nn.Parameter, list[Form]]]:
-    """Per trainable parameter of ``layers`` (by ``id``, first use first): the parameter and its uses' forms."""
-    uses: dict[int, tuple[torch.nn.Parameter, list[Form]]] = {}
+@dataclass
+class SharedParameter:
+    """A trainable parameter of layer calls that share parameters: its uses' forms and, where :func:`formed_norm_sq`
+    took the direct path, the sum of their per-example gradients (the very tensor normed and summed)."""
+
+    param: torch.nn.Parameter
+    forms: list[Form]
+    per_example: torch.Tensor | None = None
+
+
+def parameter_uses(layers: list, saved: list, grads_out: list) -> list[SharedParameter]:
+    """Every trainable parameter of the layer calls ``layers`` (first use first) with its uses' forms."""
+    uses: dict[int, SharedParameter] = {}
     for layer, a, g in zip(layers, saved, grads_out, strict=True):
         for p, form in zip(layer.dp_parameters(), layer.per_example_forms(a, g), strict=True):
-            uses.setdefault(id(p), (p, []))[1].append(form)
-    return uses
+            uses.setdefault(id(p), SharedParameter(p, [])).forms.append(form)
+    return list(uses.values())
 
 
-def formed_norm_sq(
-    layers: list, saved: list, grads_out: list, acc: torch.dtype, budget: int
-) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """(per-example squared norms [B] in ``acc``, summed over every trainable parameter of ``layers``; the per-example
-    gradients formed, by parameter ``id``) for layer calls that share parameters.
+def map_tensors(uses: list[SharedParameter], fn) -> list[SharedParameter]:
+    """``uses`` with ``fn`` applied to every field of their forms and to their per-example gradients (``fn`` returns
+    what it does not map, e.g. integer token ids or a row count, as it is)."""
+    mapped = []
+    for use in uses:
+        forms = [dataclasses.replace(f, **{k.name: fn(getattr(f, k.name)) for k in dataclasses.fields(f)})
+                 for f in use.forms]  # fmt: skip
+        mapped.append(SharedParameter(use.param, forms, None if use.per_example is None else fn(use.per_example)))
+    return mapped
+
+
+def formed_norm_sq(uses: list[SharedParameter], acc: torch.dtype, budget: int) -> torch.Tensor:
+    """Per-example squared norms [B] in ``acc``, summed over the parameters ``uses`` (:func:`parameter_uses`).
 
     Per parameter: its uses' per-example gradients formed and summed where :func:`direct_is_cheaper` and the
-    ``[B, *shape]`` tensor in ``acc`` fits ``budget`` bytes (their norm is that of the very tensor summed, kept for
-    :func:`formed_sums`); else :func:`shared_norm_sq`, with each use's summation allowance (``positions u mass``,
-    ``fastdp.nn.layers._clip_sq``) added to the norm, rounded up into ``acc``."""
+    ``[B, *shape]`` tensor in ``acc`` fits ``budget`` bytes (their norm is that of the very tensor summed; kept in
+    ``per_example`` for :func:`formed_sums`); else :func:`shared_norm_sq`, with each use's summation allowance
+    (``positions u mass``, ``fastdp.nn.layers._clip_sq``) added to the norm, rounded up into ``acc``."""
     u = torch.finfo(acc).eps / 2
     total = None
-    direct: dict[int, torch.Tensor] = {}
-    for key, (p, forms) in _uses(layers, saved, grads_out).items():
-        b = (forms[0].t if isinstance(forms[0], Dense) else forms[0].idx if isinstance(forms[0], Rows)
-             else forms[0].left).shape[0]  # fmt: skip
+    for use in uses:
+        p, forms = use.param, use.forms
+        b = forms[0].examples()
         if direct_is_cheaper(forms, p.numel()) and b * p.numel() * torch.finfo(acc).bits // 8 <= budget:
-            per_example = sum(dense(f, p.shape, acc) for f in forms[1:]) + dense(forms[0], p.shape, acc)
-            direct[key] = per_example
-            sq = torch.linalg.vector_norm(per_example.reshape(b, -1), dim=1, dtype=acc).square()
+            use.per_example = functools.reduce(torch.add, (dense(f, p.shape, acc) for f in forms))
+            sq = torch.linalg.vector_norm(use.per_example.reshape(b, -1), dim=1, dtype=acc).square()
         else:
             bound, _ = shared_norm_sq(forms, p.shape)
-            allowance = sum(f.positions() * u * mass(f) for f in forms)
-            norm = bound.sqrt() + allowance
+            norm = bound.sqrt() + sum(f.positions() * u * mass(f) for f in forms)
             sq = (norm * norm * (1 + 4 * u)).to(acc)
         total = sq if total is None else total + sq
-    return total, direct
+    return total
 
 
-def formed_sums(
-    layers: list, saved: list, grads_out: list, factors: torch.Tensor, direct: dict[int, torch.Tensor],
-    acc: torch.dtype,
-) -> dict[int, torch.Tensor]:  # fmt: skip
-    """``sum_i c_i grad_i`` per trainable parameter of ``layers`` (by ``id``), in ``acc``: one weighted sum of the
-    formed per-example gradients (``direct``, from :func:`formed_norm_sq`), else each use's clipped sum, added."""
+def formed_sums(uses: list[SharedParameter], factors: torch.Tensor, acc: torch.dtype) -> dict[int, torch.Tensor]:
+    """``sum_i c_i grad_i`` per parameter of ``uses`` (by ``id``), in ``acc``: one weighted sum of the formed
+    per-example gradients where :func:`formed_norm_sq` formed them, else each use's clipped sum, added."""
     sums = {}
-    for key, (p, forms) in _uses(layers, saved, grads_out).items():
-        if key in direct:
-            sums[key] = clipped_sum(Dense(direct[key]), factors, p.shape, acc)
-        else:
-            sums[key] = sum(clipped_sum(f, factors, p.shape, acc) for f in forms[1:]) + clipped_sum(
-                forms[0], factors, p.shape, acc
-            )
+    for use in uses:
+        shape = use.param.shape
+        forms = [Dense(use.per_example)] if use.per_example is not None else use.forms
+        sums[id(use.param)] = functools.reduce(torch.add, (clipped_sum(f, factors, shape, acc) for f in forms))
     return sums
