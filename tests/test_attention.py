@@ -20,9 +20,10 @@ from fastdp.algorithms.dpsgd import (
     ghost_clipped_gradient_sum,
     per_example_gradients,
 )
-from fastdp.algorithms.jl import draw_tangents, jl_projections
+from fastdp.algorithms.jl import jl_projections
 from fastdp.nn import DPLayer, GhostClipping, Linear, MultiheadAttention, UnsupportedLayerError, convert, validate
 from fastdp.privacy.rng import PrivacyKeys
+from tests.variants import assert_ghost_is_reference, projection_reference
 
 VOCAB, CLASSES, HEADS, FEATURES = 11, 3, 2, 4
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch.func over SDPA
@@ -108,17 +109,9 @@ def _features(b=6, t=5, seed=1):
 
 def _assert_ghost_is_reference(model, batch, clip=0.05):
     """DP-SGD's clipped sums of the converted model equal torch.func's per-example gradients of the unconverted one,
-    clipped and summed (float64)."""
-    reference = copy.deepcopy(model)
-    expected, _ = clipped_gradient_sum(reference, loss_fn, batch, clip)
-    convert(model)
+    clipped and summed (float64); the attention and its out_proj are DP layers."""
+    assert_ghost_is_reference(model, batch, clip)
     assert isinstance(model.attention, MultiheadAttention) and isinstance(model.attention.out_proj, Linear)
-    sums, _ = ghost_clipped_gradient_sum(model, loss_fn, batch, clip)
-    params = [p for p in model.parameters() if p.requires_grad]
-    assert len(sums) == len(expected) == len(params)
-    for s, e, p in zip(sums, expected, params, strict=True):
-        assert s.shape == p.shape
-        torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-13)
 
 
 SELF_CASES = {
@@ -221,11 +214,7 @@ def test_jl_projections_equal_per_example_gradient_dot_tangent(batch_first):
     batch = _features(b=7)
     r, seed, step = 5, 11, 2
     p, err, allowance = jl_projections(ghost_backward(model, loss_fn, batch), PrivacyKeys(seed), step, r, chunk=2)
-    params = [q for q in model.parameters() if q.requires_grad]
-    tangents = draw_tangents(params, PrivacyKeys(seed), step, r, 0, r)
-    v = torch.cat([t.reshape(r, -1) for t in tangents], dim=1).double()
-    per_example = per_example_gradients(model, loss_fn, batch.x, batch.y)
-    expected = torch.cat([g.reshape(g.shape[0], -1) for g in per_example], dim=1) @ v.t()
+    expected = projection_reference(model, per_example_gradients(model, loss_fn, batch.x, batch.y), seed, step, r)
     torch.testing.assert_close(p, expected, rtol=1e-10, atol=1e-12)
     assert torch.all(err < 1e-10) and torch.all(allowance > 0)
 

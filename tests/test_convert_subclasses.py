@@ -12,14 +12,13 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from fastdp.algorithms import DPSGD, Batch
 from fastdp.algorithms.base import per_example_cross_entropy as loss_fn
 from fastdp.algorithms.dpsgd import (
-    clipped_gradient_sum,
     ghost_backward,
-    ghost_clipped_gradient_sum,
     per_example_gradients,
 )
-from fastdp.algorithms.jl import draw_tangents, jl_projections
+from fastdp.algorithms.jl import jl_projections
 from fastdp.nn import DPLayer, Linear, TransposedLinear, UnsupportedLayerError, convert, validate
 from fastdp.privacy.rng import PrivacyKeys
+from tests.variants import assert_ghost_is_reference, projection_reference
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
@@ -72,23 +71,11 @@ def _data(sequence=False, b=9, seed=1):
     return Batch(x, y, torch.ones(b, dtype=torch.bool))
 
 
-def _assert_ghost_is_reference(model, batch, clip=0.05):
-    reference = copy.deepcopy(model)  # plain torch modules, torch.func per-example gradients
-    expected, _ = clipped_gradient_sum(reference, loss_fn, batch, clip)
-    convert(model)
-    sums, _ = ghost_clipped_gradient_sum(model, loss_fn, batch, clip)
-    params = [p for p in model.parameters() if p.requires_grad]
-    assert len(sums) == len(expected) == len(params)
-    for s, e, p in zip(sums, expected, params, strict=True):
-        assert s.shape == p.shape
-        torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-13)
-
-
 @pytest.mark.parametrize(("sequence", "wide"), [(False, False), (True, False), (True, True)])
 def test_clipped_sums_of_subclasses_and_conv1d_equal_torch_func(sequence, wide):
     torch.manual_seed(0)
     model = Net(sequence, wide).double()
-    _assert_ghost_is_reference(model, _data(sequence))
+    assert_ghost_is_reference(model, _data(sequence))
     assert isinstance(model.a, NonDynamicallyQuantizableLinear) and isinstance(model.a, Linear)
     assert isinstance(model.b, ScaledLinear) and model.b.tag == "mine" and model.b.weight_scale() > 0
     assert isinstance(model.c, Conv1D) and isinstance(model.c, TransposedLinear)
@@ -118,7 +105,7 @@ def test_gpt2_untied_end_to_end_equals_torch_func():
     assert validate(model) == []
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randint(0, 13, (4, 6), generator=gen), torch.randint(0, 13, (4,), generator=gen)
-    _assert_ghost_is_reference(model, Batch(x, y, torch.ones(4, dtype=torch.bool)), clip=0.5)
+    assert_ghost_is_reference(model, Batch(x, y, torch.ones(4, dtype=torch.bool)), clip=0.5)
     assert sum(isinstance(m, TransposedLinear) for m in model.modules()) == 4
 
 
@@ -131,11 +118,7 @@ def test_jl_projections_of_conv1d_and_subclasses_equal_per_example_gradient_dot_
     convert(model)
     r, seed, step = 5, 11, 2
     p, err, allowance = jl_projections(ghost_backward(model, loss_fn, batch), PrivacyKeys(seed), step, r, chunk=chunk)
-    params = [q for q in model.parameters() if q.requires_grad]
-    tangents = draw_tangents(params, PrivacyKeys(seed), step, r, 0, r)
-    v = torch.cat([t.reshape(r, -1) for t in tangents], dim=1).double()
-    per_example = per_example_gradients(model, loss_fn, batch.x, batch.y)
-    expected = torch.cat([g.reshape(g.shape[0], -1) for g in per_example], dim=1).double() @ v.t()
+    expected = projection_reference(model, per_example_gradients(model, loss_fn, batch.x, batch.y), seed, step, r)
     torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
     assert torch.all(err < 1e-6) and torch.all(allowance > 0)
 

@@ -20,8 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fastdp import PrivacyEngine
 from fastdp.algorithms.base import Batch
-from fastdp.algorithms.dpsgd import clipped_gradient_sum, ghost_clipped_gradient_sum
-from fastdp.nn import TransposedLinear, convert
+from fastdp.algorithms.dpsgd import clipped_gradient_sum
+from fastdp.nn import TransposedLinear
+from tests.variants import assert_ghost_is_reference
 
 transformers = pytest.importorskip("transformers")
 VOCAB, T, B = 17, 6, 4
@@ -45,15 +46,6 @@ class CausalLM(nn.Module):
         return self.lm(input_ids=ids).logits
 
 
-class Classifier(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids).logits
-
-
 def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Per-example mean next-token cross entropy (the labels are the inputs, shifted)."""
     return F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
@@ -63,28 +55,30 @@ def _class_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, y, reduction="none")
 
 
-def _resnet() -> nn.Module:
+def _bench(module: str):
+    """A module of bench/ (its models: ``bench_dpsgd.Classifier``, ``resnet.ResNet18GN``)."""
     bench = str(Path(__file__).resolve().parents[1] / "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
-    return importlib.import_module("resnet").ResNet18GN(classes=3)
+    return importlib.import_module(module)
 
 
 def _build(arch: str) -> tuple[nn.Module, object]:
     """(model, per-example loss(output, target)) of ``arch``, random init."""
     if arch == "gpt2":
         return CausalLM(), _next_token_loss
+    classifier = _bench("bench_dpsgd").Classifier
     if arch == "bert":
-        return Classifier(transformers.BertForSequenceClassification(transformers.BertConfig(**SMALL))), _class_loss
+        return classifier(transformers.BertForSequenceClassification(transformers.BertConfig(**SMALL))), _class_loss
     if arch == "roberta":
         config = transformers.RobertaConfig(**SMALL, pad_token_id=1)
-        return Classifier(transformers.RobertaForSequenceClassification(config)), _class_loss
+        return classifier(transformers.RobertaForSequenceClassification(config)), _class_loss
     if arch == "distilbert":
         config = transformers.DistilBertConfig(vocab_size=VOCAB, dim=8, n_layers=1, n_heads=2, hidden_dim=12,
                                                max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
                                                seq_classif_dropout=0.0, num_labels=3)  # fmt: skip
-        return Classifier(transformers.DistilBertForSequenceClassification(config)), _class_loss
-    return _resnet(), _class_loss
+        return classifier(transformers.DistilBertForSequenceClassification(config)), _class_loss
+    return _bench("resnet").ResNet18GN(classes=3), _class_loss
 
 
 def _data(arch: str, b: int = B, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,13 +105,7 @@ def test_clipped_sums_of_unmodified_models_equal_torch_func_in_float64(arch):
     model, loss_fn = _build(arch)
     model = model.double()
     x, y = _data(arch)
-    batch = Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool))
-    expected, _ = clipped_gradient_sum(copy.deepcopy(model), loss_fn, batch, 0.5)
-    sums, _ = ghost_clipped_gradient_sum(convert(model), loss_fn, batch, 0.5)
-    params = [p for p in model.parameters() if p.requires_grad]
-    assert len(sums) == len(expected) == len(params)
-    for s, e in zip(sums, expected, strict=True):
-        torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-14)
+    assert_ghost_is_reference(model, Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool)), 0.5, loss_fn, atol=1e-14)
     if arch == "gpt2":  # nothing was changed by hand: tied, Conv1D, SDPA
         lm = model.lm
         assert lm.lm_head.weight is lm.transformer.wte.weight and lm.config._attn_implementation == "sdpa"

@@ -3,8 +3,6 @@ the sum of the uses', normed with their cross terms (``fastdp.nn.forms``), in on
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -12,14 +10,14 @@ from torch import nn
 import fastdp.nn.forms as forms
 from fastdp.algorithms.base import Batch, per_example_cross_entropy
 from fastdp.algorithms.dpsgd import (
-    clipped_gradient_sum,
     ghost_backward,
     ghost_clipped_gradient_sum,
     per_example_gradients,
 )
-from fastdp.algorithms.jl import draw_tangents, jl_projections
+from fastdp.algorithms.jl import jl_projections
 from fastdp.nn import convert
 from fastdp.privacy.rng import PrivacyKeys
+from tests.variants import assert_ghost_is_reference, projection_reference
 
 
 class Shared(nn.Module):
@@ -56,13 +54,8 @@ def test_shared_parameters_clipped_sums_equal_torch_func(path, monkeypatch):
     model = Shared().double()
     batch = _batch()
     for clip in (0.05, 1e3):  # clipped, and not clipped (the sums' own rounding)
-        expected, _ = clipped_gradient_sum(copy.deepcopy(model), per_example_cross_entropy, batch, clip)
-        got, _ = ghost_clipped_gradient_sum(convert(model), per_example_cross_entropy, batch, clip)
-        params = [p for p in model.parameters() if p.requires_grad]
-        assert len(got) == len(expected) == len(params) == 6
-        for s, e, p in zip(got, expected, params, strict=True):
-            assert s.shape == p.shape
-            torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-13)
+        assert_ghost_is_reference(model, batch, clip)
+    assert len([p for p in model.parameters() if p.requires_grad]) == 6
 
 
 def _random_forms(b: int, t: int, rows: int, dim: int, gen: torch.Generator) -> list:
@@ -141,11 +134,9 @@ def test_jl_projections_of_a_tied_model_are_the_summed_gradient_dot_tangent():
     batch = _batch(b=6)
     r, seed, step = 4, 5, 1
     p, err, _ = jl_projections(ghost_backward(model, per_example_cross_entropy, batch), PrivacyKeys(seed), step, r)
-    params = [q for q in model.parameters() if q.requires_grad]
-    tangents = draw_tangents(params, PrivacyKeys(seed), step, r, 0, r)
-    v = torch.cat([t.reshape(r, -1) for t in tangents], dim=1).double()
-    per_example = per_example_gradients(model, per_example_cross_entropy, batch.x, batch.y)
-    expected = torch.cat([g.reshape(g.shape[0], -1) for g in per_example], dim=1).double() @ v.t()
+    expected = projection_reference(
+        model, per_example_gradients(model, per_example_cross_entropy, batch.x, batch.y), seed, step, r
+    )
     torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
     assert torch.all(err < 1e-6)
 

@@ -1,10 +1,19 @@
-"""Small variants and models shared by the step-level tests (virtual batches, torch.compile, data-parallel)."""
+"""Small variants, models and reference checks shared by the step-level tests (virtual batches, torch.compile,
+data-parallel, the DP layers against torch.func)."""
 
 from __future__ import annotations
 
+import copy
+
+import torch
 from torch import nn
 
 from fastdp.algorithms import DPSGD, JL, BackpropClip, Clipless, NonPrivate, WeightClip
+from fastdp.algorithms.base import per_example_cross_entropy
+from fastdp.algorithms.dpsgd import clipped_gradient_sum, ghost_clipped_gradient_sum
+from fastdp.algorithms.jl import draw_tangents
+from fastdp.nn import convert
+from fastdp.privacy.rng import PrivacyKeys
 from fastdp.train.models import build_model
 
 VARIANT_NAMES = ("dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "clipless", "weightclip", "backprop",
@@ -39,3 +48,26 @@ def small_model(name: str, features: int, classes: int, hidden: int = 16) -> nn.
         return build_model(kind, (features,), classes, hidden=hidden, input_bound=4.0)
     return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.Tanh(),
                          nn.Linear(hidden, classes))  # fmt: skip
+
+
+def assert_ghost_is_reference(model, batch, clip=0.05, loss_fn=per_example_cross_entropy, atol=1e-13) -> nn.Module:
+    """DP-SGD's clipped sums of ``model`` converted (one backward through DP layers) equal torch.func's per-example
+    gradients of the unconverted model, clipped and summed (float64: rtol 1e-10). Returns the converted model."""
+    expected, _ = clipped_gradient_sum(copy.deepcopy(model), loss_fn, batch, clip)
+    sums, _ = ghost_clipped_gradient_sum(convert(model), loss_fn, batch, clip)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert len(sums) == len(expected) == len(params)
+    for s, e, p in zip(sums, expected, params, strict=True):
+        assert s.shape == p.shape
+        torch.testing.assert_close(s, e, rtol=1e-10, atol=atol)
+    return model
+
+
+def projection_reference(model: nn.Module, grads: list[torch.Tensor], seed: int, step: int, r: int) -> torch.Tensor:
+    """``<g_i, v_j>`` [B, r] (float64) for per-example gradients ``grads`` (one [B, *p.shape] per trainable parameter)
+    and the r tangents DP-SGD-JL draws at ``step`` under the reproducible seed ``seed``: what its projections must
+    be."""
+    params = [q for q in model.parameters() if q.requires_grad]
+    tangents = draw_tangents(params, PrivacyKeys(seed), step, r, 0, r)
+    v = torch.cat([t.reshape(r, -1) for t in tangents], dim=1).double()
+    return torch.cat([g.reshape(g.shape[0], -1) for g in grads], dim=1).double() @ v.t()
