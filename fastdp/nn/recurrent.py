@@ -52,10 +52,10 @@ from fastdp.nn.layers import (
     DP_LAYERS,
     DPLayer,
     _acc,
+    _clipped_weight_sum,
     _mass,
     _projections,
     _rowsq,
-    _scale_rows,
     _sequence_weight_sq,
     _weighted,
 )
@@ -508,14 +508,8 @@ class _Recurrent(DPLayer):
         for j, (names, parts, g) in enumerate(weights):
             if cache and f"weight{j}" in cache:
                 total = _weighted(factors, cache[f"weight{j}"])
-            else:  # sum_i c_i g_i^T a_i as one GEMM, scaling the narrower of g and a by c (as Linear's)
-                a = torch.cat(parts, 2) if len(parts) > 1 else parts[0]
-                acc = _acc(a)
-                if a.shape[-1] < g.shape[-1]:
-                    g, a = g.to(acc), _scale_rows(a, factors)
-                else:
-                    g, a = _scale_rows(g, factors), a.to(acc)
-                total = g.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1])
+            else:
+                total = _clipped_weight_sum(torch.cat(parts, 2) if len(parts) > 1 else parts[0], g, factors)
             if len(parts) == 1:
                 sums[names[0]] = total
             else:
