@@ -36,7 +36,10 @@ the ratio to non-private at the same workload and batch, peak memory — CUDA: t
 (tf-privacy: TensorFlow's peak of the GPU allocator); CPU: ``cpu-peak-rss-delta``, the subprocess's peak resident
 set (resource.getrusage ru_maxrss) after the last timed step minus its resident set after two warm-up steps of the
 same provider at batch 2 whose model was then freed (so shared-library code pages, thread pools and allocator arenas
-are not counted; the model, batch, optimizer state and the step's workspace are) —, and for the growth workloads
+are not counted; the model, batch, optimizer state and the step's workspace are) —, on CPU also ``peak_live_mb``,
+the largest total size of tensors alive at once during one more (profiled) step (``harness.live_peak_mb``: the CPU
+counterpart of CUDA's max_memory_allocated, without the C allocator's retained arenas that the resident set
+carries), with its ratio ``live_vs_nonprivate`` —, and for the growth workloads
 the largest batch each provider reached and what stopped it. Providers that do not apply (``n/a``) or could not run
 here (``skipped``: library missing, or per-example gradients over the CPU memory budget) get a row saying so, with
 no numbers. Results go to bench/results/<device>-compare.csv (rewritten each run, long format, versions and date on
@@ -102,7 +105,8 @@ PER_EXAMPLE = ("opacus-hooks", "tf-privacy")  # providers that hold B per-exampl
 
 COLUMNS = [
     "workload", "params", "provider", "library", "library_version", "batch", "status", "median_ms", "p20_ms",
-    "p80_ms", "time_vs_nonprivate", "peak_mem_mb", "mem_kind", "mem_vs_nonprivate", "largest_batch", "stopped_by",
+    "p80_ms", "time_vs_nonprivate", "peak_mem_mb", "mem_kind", "mem_vs_nonprivate", "peak_live_mb",
+    "live_vs_nonprivate", "largest_batch", "stopped_by",
     "repeats", "micro_batch", "examples_per_s", "note", "device", "threads", "torch", "python", "date",
 ]  # fmt: skip
 
@@ -404,6 +408,8 @@ def worker(job: dict) -> int:
             emit(dict(result, status="oom", stopped_by=f"out of memory at batch {batch}", note=str(err)[:200]))
             return 0
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else maxrss_mb() - base
+        if device.type == "cpu":
+            result["peak_live_mb"] = harness.live_peak_mb(step)  # after the RSS reading: the profiler allocates
         over = device.type == "cpu" and job["memory_budget_mb"] and peak > job["memory_budget_mb"]
         stop = "" if over else next_stop(job, batch, nxt, med, peak)
         if over:
@@ -499,6 +505,8 @@ def add_ratios(rows: list[dict]) -> None:
         ok = r["status"] in ("ok", "over-budget")
         r["time_vs_nonprivate"] = r["median_ms"] / b["median_ms"] if b and ok else float("nan")
         r["mem_vs_nonprivate"] = r["peak_mem_mb"] / b["peak_mem_mb"] if b and ok and b["peak_mem_mb"] else float("nan")
+        live, live_base = r.get("peak_live_mb"), b.get("peak_live_mb") if b else None
+        r["live_vs_nonprivate"] = live / live_base if ok and live and live_base else float("nan")
     for _, group in itertools.groupby(rows, key=lambda r: (r["workload"], r["provider"])):
         group = list(group)
         within = [r["batch"] for r in group if r["status"] == "ok"]
@@ -523,8 +531,9 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: fmt(r.get(k, ""), ".3f" if k.endswith("_ms") or k.startswith(("time", "mem_vs"))
-                                    else ".1f") for k in COLUMNS})  # fmt: skip
+            ratio = ("time", "mem_vs", "live_vs")
+            writer.writerow({k: fmt(r.get(k, ""), ".3f" if k.endswith("_ms") or k.startswith(ratio) else ".1f")
+                             for k in COLUMNS})  # fmt: skip
     print(f"wrote {len(rows)} rows to {path}")
 
 
@@ -755,6 +764,8 @@ def line(r: dict) -> str:
         return f"{r['workload']:17s} {r['provider']:17s} b={r['batch']:<6d} out of memory"
     text = (f"{r['workload']:17s} {r['provider']:17s} b={r['batch']:<6d} {r['median_ms']:10.2f} ms "
             f"({r['p20_ms']:.2f}, {r['p80_ms']:.2f})  {r['peak_mem_mb']:9.1f} MB {r['mem_kind']}")  # fmt: skip
+    if r.get("peak_live_mb") is not None:
+        text += f", {r['peak_live_mb']:.1f} MB live"
     return text + (f"  [{r['status']}]" if r["status"] != "ok" else "") + (f"  stop: {r['stopped_by']}"
                                                                           if r.get("stopped_by") else "")  # fmt: skip
 
@@ -775,6 +786,8 @@ def summary(rows: list[dict]) -> None:
             text = (f"  {provider:17s} b={top['batch']:<6d} {fmt(top['median_ms'], '9.2f')} ms  "
                     f"x{fmt(top['time_vs_nonprivate'], '5.2f')} time  {fmt(top['peak_mem_mb'], '8.1f')} MB  "
                     f"x{fmt(top['mem_vs_nonprivate'], '5.2f')} memory")  # fmt: skip
+            if top.get("peak_live_mb") is not None:
+                text += f"  {fmt(top['peak_live_mb'], '8.1f')} MB live  x{fmt(top['live_vs_nonprivate'], '5.2f')}"
             if top.get("growth"):
                 text += f"  largest batch {top['largest_batch'] or '-'}, stopped by: {top.get('stopped_by') or '-'}"
             print(text + (f"  [{top['status']}]" if top["status"] != "ok" else ""))

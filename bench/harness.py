@@ -37,13 +37,33 @@ def timer(device: torch.device, repeats: int, warmup: int = 1):
     return measure
 
 
+def live_peak_mb(fn) -> float:
+    """The largest total size, MiB, of the tensors alive at once during one call of ``fn`` (CPU): the counterpart of
+    ``torch.cuda.max_memory_allocated`` for a CPU step. From torch.profiler's memory timeline (``profile_memory``):
+    the tensors the call allocates plus those it touches that existed before (parameters, gradients, optimizer
+    state, the batch). Unlike the process's peak resident set it does not count what the C allocator keeps after a
+    free (glibc's arenas grow and rarely shrink: freed blocks, fragmentation), so providers are compared on what
+    they allocate rather than on the allocator's history. The profiled call runs several times slower; time
+    separately. NaN where the profiler's memory timeline (a private torch API) is missing."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler._memory_profiler import MemoryProfileTimeline
+    except ImportError:
+        return float("nan")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return max((sum(s) for s in sizes), default=0) / 2**20
+
+
 def compare(builders: dict, device: torch.device, repeats: int, warmup: int = 2) -> dict:
     """Time providers side by side: ``builders`` maps a name to a function returning that provider's step closure.
 
-    Returns name -> (median, p20, p80 in ms, peak MB or NaN), or None where the provider ran out of memory. On CPU
-    every step is built first and the timed calls are interleaved (one call of each provider per round, the order
-    rotating), so load drift on the machine falls on all providers alike and the ratios stay meaningful. On CUDA
-    each provider is built and timed alone (do_bench) with its own peak-memory window.
+    Returns name -> (median, p20, p80 in ms, peak MB), or None where the provider ran out of memory. On CPU every
+    step is built first and the timed calls are interleaved (one call of each provider per round, the order
+    rotating), so load drift on the machine falls on all providers alike and the ratios stay meaningful; the peak is
+    :func:`live_peak_mb` of one more, profiled, call. On CUDA each provider is built and timed alone (do_bench) with
+    its own peak-memory window (``torch.cuda.max_memory_allocated``).
     """
     results: dict = {}
     if device.type == "cuda":
@@ -71,7 +91,7 @@ def compare(builders: dict, device: torch.device, repeats: int, warmup: int = 2)
             times[name].append((time.perf_counter() - start) * 1e3)
     for name, ts in times.items():
         q = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) > 1 else ts * 9
-        results[name] = (statistics.median(ts), q[1], q[7], float("nan"))
+        results[name] = (statistics.median(ts), q[1], q[7], live_peak_mb(steps[name]))
     return results
 
 

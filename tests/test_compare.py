@@ -60,10 +60,11 @@ def test_two_providers_in_subprocesses_write_the_csv(compare, monkeypatch, tmp_p
         med, p20, p80 = float(r["median_ms"]), float(r["p20_ms"]), float(r["p80_ms"])
         assert 0 < p20 <= med <= p80, r
         assert r["mem_kind"] == "cpu-peak-rss-delta" and math.isfinite(float(r["peak_mem_mb"])), r
+        assert float(r["peak_live_mb"]) > 0 and math.isfinite(float(r["live_vs_nonprivate"])), r
         assert r["params"] == "669706" and r["device"] and r["torch"] and r["date"], r
         assert r["largest_batch"] == "" and r["repeats"] == "2", r
     base = rows[0]
-    assert float(base["time_vs_nonprivate"]) == 1.0
+    assert float(base["time_vs_nonprivate"]) == 1.0 and float(base["live_vs_nonprivate"]) == 1.0
     for dp in rows[1:]:
         ratio = float(dp["median_ms"]) / float(base["median_ms"])
         assert float(dp["time_vs_nonprivate"]) == pytest.approx(ratio, rel=2e-3, abs=1e-3)  # written with .3f
@@ -201,3 +202,19 @@ def test_ratios_largest_batch_and_plot_data(compare, tmp_path):
             ]  # fmt: skip
     else:
         assert sorted(p.name for p in written) == ["cpu-test-compare-memory.png", "cpu-test-compare-time.png"]
+
+
+def test_live_peak_counts_the_tensors_alive_at_once(compare):
+    """harness.live_peak_mb: two 8 MiB tensors alive together, then a third after one is freed: the peak is 16 MiB
+    (plus the step's small temporaries), not the 24 MiB allocated in all."""
+    import harness
+    import torch
+
+    def step():
+        a = torch.ones(2**21)  # 8 MiB of float32
+        b = a + 1
+        del a
+        c = b * 2
+        return c.sum()
+
+    assert 16 <= harness.live_peak_mb(step) < 17
