@@ -3,6 +3,8 @@ the sum of the uses', normed with their cross terms (``fastdp.nn.forms``), in on
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from fastdp.algorithms.dpsgd import (
 )
 from fastdp.algorithms.jl import jl_projections
 from fastdp.nn import convert
+from fastdp.nn.layers import DIRECT_MEMORY_BUDGET
 from fastdp.privacy.rng import PrivacyKeys
 from tests.variants import assert_ghost_is_reference, projection_reference
 
@@ -105,7 +108,8 @@ def test_cancelling_uses_stay_within_the_clip_bound_in_float32(monkeypatch):
             return self.head(self.lin(big) + self.lin(-big + x[..., :1]))
 
     torch.manual_seed(0)
-    for path in ("direct", "gram"):
+    # formed in the hooks (Dense forms: each use's GEMV sum rounds at the uses' magnitude), or from A and G (Outer)
+    for path, budget in itertools.product(("direct", "gram"), (DIRECT_MEMORY_BUDGET, None)):
         monkeypatch.setattr(forms, "direct_is_cheaper", lambda uses, numel, path=path: path == "direct")
         model = convert(Cancel())
         x, y = torch.randn(4, 6, 8), torch.randint(0, 3, (4,))
@@ -117,8 +121,8 @@ def test_cancelling_uses_stay_within_the_clip_bound_in_float32(monkeypatch):
         for i in range(4):
             alone = torch.zeros(4, dtype=torch.bool)
             alone[i] = True
-            sums, _ = ghost_clipped_gradient_sum(model, loss_fn, Batch(x, y, alone), clip)
-            assert torch.sqrt(sum(s.double().pow(2).sum() for s in sums)) <= clip * (1 + 1e-6)
+            sums, _ = ghost_clipped_gradient_sum(model, loss_fn, Batch(x, y, alone), clip, form_budget=budget)
+            assert torch.sqrt(sum(s.double().pow(2).sum() for s in sums)) <= clip * (1 + 1e-6), (path, budget)
         run = ghost_backward(model, loss_fn, Batch(x, y, torch.ones(4, dtype=torch.bool)))
         uses = forms.parameter_uses(run.layers, run.saved, run.grads_out)
         row = forms.formed_norm_sq(uses, torch.float32, 1 << 30)

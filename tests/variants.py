@@ -13,6 +13,7 @@ from fastdp.algorithms.base import per_example_cross_entropy
 from fastdp.algorithms.dpsgd import clipped_gradient_sum, ghost_clipped_gradient_sum
 from fastdp.algorithms.jl import draw_tangents
 from fastdp.nn import convert
+from fastdp.nn.layers import DIRECT_MEMORY_BUDGET
 from fastdp.privacy.rng import PrivacyKeys
 from fastdp.train.models import build_model
 
@@ -52,14 +53,18 @@ def small_model(name: str, features: int, classes: int, hidden: int = 16) -> nn.
 
 def assert_ghost_is_reference(model, batch, clip=0.05, loss_fn=per_example_cross_entropy, atol=1e-13) -> nn.Module:
     """DP-SGD's clipped sums of ``model`` converted (one backward through DP layers) equal torch.func's per-example
-    gradients of the unconverted model, clipped and summed (float64: rtol 1e-10). Returns the converted model."""
+    gradients of the unconverted model, clipped and summed (float64: rtol 1e-10), with the per-example gradients
+    formed in the gradient hooks where smaller than A and G (the default) and with every A and G kept. Returns the
+    converted model."""
     expected, _ = clipped_gradient_sum(copy.deepcopy(model), loss_fn, batch, clip)
-    sums, _ = ghost_clipped_gradient_sum(convert(model), loss_fn, batch, clip)
+    model = convert(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    assert len(sums) == len(expected) == len(params)
-    for s, e, p in zip(sums, expected, params, strict=True):
-        assert s.shape == p.shape
-        torch.testing.assert_close(s, e, rtol=1e-10, atol=atol)
+    for budget in (DIRECT_MEMORY_BUDGET, None):
+        sums, _ = ghost_clipped_gradient_sum(model, loss_fn, batch, clip, form_budget=budget)
+        assert len(sums) == len(expected) == len(params)
+        for s, e, p in zip(sums, expected, params, strict=True):
+            assert s.shape == p.shape
+            torch.testing.assert_close(s, e, rtol=1e-10, atol=atol)
     return model
 
 

@@ -131,6 +131,9 @@ class Variant(abc.ABC):
     # gradient at the model's output is captured and backpropagated once through the model: :meth:`sums_of_output`),
     # None (not through the front door).
     front_door: ClassVar[str | None] = None
+    # "ghost": the most bytes a DP layer call may form its per-example gradients in, in its gradient hook, in place of
+    # its A and G where they are smaller (``fastdp.nn.ghost``); None: A and G are kept (what the variant's sums need).
+    form_budget: ClassVar[int | None] = None
 
     def __init__(self, loss_fn=per_example_cross_entropy) -> None:
         self.loss_fn = loss_fn
@@ -319,6 +322,8 @@ class Variant(abc.ABC):
                 "every step, also for an empty Poisson sample"
             )
         self.check_parameters(model)  # every step, before anything is computed: dtypes can change between steps
+        for p in trainable_parameters(model):  # overwritten at the release: not held through the forward and backward
+            p.grad = None
         sums, loss = self._clipped_sum_step(model, batches[0], step)
         for micro in batches[1:]:
             more, more_loss = self._clipped_sum_step(model, micro, step)

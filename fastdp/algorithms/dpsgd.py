@@ -79,7 +79,15 @@ from fastdp.nn import (
     convert,
     refuse_batch_statistics,
 )
-from fastdp.nn.forms import formed_norm_sq, formed_sums, map_tensors, parameter_uses, shared_parameters
+from fastdp.nn.forms import (
+    formed_norm_sq,
+    formed_sq_norms,
+    formed_sums,
+    formed_weighted_sums,
+    map_tensors,
+    parameter_uses,
+    shared_parameters,
+)
 from fastdp.nn.layers import DIRECT_MEMORY_BUDGET
 from fastdp.ops import clip_factors
 from fastdp.privacy.accounting import per_layer_noise_multiplier
@@ -159,6 +167,7 @@ def ghost_clipped_gradient_sum(
     forward=None,
     loss_scale: float = 1.0,
     finite_only: bool = False,
+    form_budget: int | None = DIRECT_MEMORY_BUDGET,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(sum over real examples of the clipped per-example gradients per trainable parameter, times ``scale``;
     summed loss). ``scale`` rides on the clip factors (DP-SGD passes 1/(qN), saving a pass over the gradients).
@@ -170,14 +179,16 @@ def ghost_clipped_gradient_sum(
     passes its autocast ``_forward``); the backward is of ``loss_scale`` times the summed loss, and the squared
     norms and the clip factors are unscaled in fp32. ``finite_only``: an example with a non-finite norm in any
     layer (an overflow in its forward or backward) contributes zero and its loss is left out of the summed loss.
+    ``form_budget``: a layer call whose per-example gradients are smaller than its A and G (and this many bytes)
+    forms them in its gradient hook and drops A and G (``fastdp.nn.ghost``); None keeps every A and G.
     """
     sums, loss, _ = _ghost_clipped_gradient_sum(model, loss_fn, batch, clip_norm, scale, forward, loss_scale,
-                                                finite_only)  # fmt: skip
+                                                finite_only, form_budget)  # fmt: skip
     return sums, loss
 
 
 def _ghost_clipped_gradient_sum(
-    model, loss_fn, batch, clip_norm, scale, forward, loss_scale, finite_only
+    model, loss_fn, batch, clip_norm, scale, forward, loss_scale, finite_only, form_budget
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """:func:`ghost_clipped_gradient_sum`, and the number of real examples left out as not finite (``finite_only``;
     else None)."""
@@ -187,7 +198,7 @@ def _ghost_clipped_gradient_sum(
         zeros = [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params]
         none = torch.zeros((), dtype=torch.int64, device=batch.x.device) if finite_only else None
         return zeros, torch.zeros((), device=batch.x.device), none
-    run = ghost_backward(model, loss_fn, batch, forward, loss_scale)
+    run = ghost_backward(model, loss_fn, batch, forward, loss_scale, form_budget)
     return clipped_sums_of_backward(model, run, batch.mask, clip_norm, scale, loss_scale, finite_only)
 
 
@@ -201,21 +212,36 @@ def clipped_sums_of_backward(
     if not isinstance(clip_norm, (int, float)):
         order = {id(m): i for i, m in enumerate(_check_per_layer(model, clip_norm))}
         clip_norm = [clip_norm[order[id(layer)]] for layer in run.layers]
-    layer_sums, shared_sums, loss, dropped = _clip_and_sum(run.layers, run.saved, run.grads_out, run.losses, mask,
-                                                           clip_norm, scale, loss_scale, finite_only)  # fmt: skip
+    layer_sums, shared_sums, loss, dropped = _clip_and_sum(run.layers, run.saved, run.grads_out, run.formed,
+                                                           run.losses, mask, clip_norm, scale, loss_scale,
+                                                           finite_only)  # fmt: skip
     return run.by_parameter(layer_sums, shared_sums), loss, dropped
 
 
 @dataclass
 class GhostBackward:
     """One forward and one backward through DP layers (:func:`ghost_backward`): per layer call, its layer, what it
-    saved (A) and its output gradient G; the masked per-example losses (detached)."""
+    saved (A) and its output gradient G, or (``formed``) the per-example gradients its hook formed in their place
+    (``fastdp.nn.ghost``; A and G are then None); the masked per-example losses (detached)."""
 
     params: list[torch.nn.Parameter]
     layers: list[torch.nn.Module]
-    saved: list[tuple]
-    grads_out: list[torch.Tensor]
+    saved: list[tuple | None]
+    grads_out: list[torch.Tensor | None]
     losses: torch.Tensor
+    formed: list[list[torch.Tensor] | None] | None = None
+    formed_from_half: bool = False  # some ``formed`` came from an A or G below float32 (autocast)
+
+    @classmethod
+    def of_records(cls, params: list, records: list, losses: torch.Tensor) -> GhostBackward:
+        """From a :class:`fastdp.nn.GhostClipping` context's records after the backward; a call whose output got no
+        gradient (unused by the loss) gets a zero G."""
+        grads = [r.grad if r.grad is not None or r.formed is not None else torch.zeros(r.shape, dtype=r.dtype,
+                 device=losses.device) for r in records]  # fmt: skip
+        formed = [r.formed for r in records]
+        return cls(params, [r.layer for r in records], [r.saved for r in records], grads, losses,
+                   formed if any(f is not None for f in formed) else None,
+                   any(r.formed_from_half for r in records))  # fmt: skip
 
     def by_parameter(
         self, layer_sums: list[list[torch.Tensor] | None], shared: dict[int, torch.Tensor] | None = None
@@ -233,12 +259,15 @@ class GhostBackward:
         return [sums[id(p)].to(sum_dtype(p)) for p in self.params]
 
 
-def ghost_backward(model, loss_fn, batch: Batch, forward=None, loss_scale: float = 1.0) -> GhostBackward:
+def ghost_backward(
+    model, loss_fn, batch: Batch, forward=None, loss_scale: float = 1.0, form_budget: int | None = None
+) -> GhostBackward:
     """The forward of a non-empty ``batch`` in a GhostClipping context and one backward of ``loss_scale`` times the
-    summed loss: each DP layer's A and G, no weight gradient. Refuses layers called on a tensor that is not
+    summed loss: each DP layer's A and G (or, with ``form_budget``, the per-example gradients formed in their place
+    where smaller: ``fastdp.nn.ghost``), no weight gradient. Refuses layers called on a tensor that is not
     batch-first and trainable parameters used outside a DP layer."""
     params = trainable_parameters(model)
-    losses, records = _ghost_forward(model, loss_fn, batch, forward)
+    losses, records = _ghost_forward(model, loss_fn, batch, forward, form_budget)
     size = batch.x.shape[0]
     for r in records:
         if len(r.shape) == 0 or r.shape[0] != size:
@@ -259,15 +288,14 @@ def ghost_backward(model, loss_fn, batch: Batch, forward=None, loss_scale: float
         )
     # the layers' hooks collect G (of loss_scale times the loss); parameters were detached, so no .grad is touched
     (losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum()).backward()
-    grads_out = [r.grad if r.grad is not None else batch.x.new_zeros(r.shape, dtype=r.dtype) for r in records]
-    return GhostBackward(params, layers, [r.saved for r in records], grads_out, losses.detach())
+    return GhostBackward.of_records(params, records, losses.detach())
 
 
-def _ghost_forward(model, loss_fn, batch: Batch, forward) -> tuple[torch.Tensor, list]:
+def _ghost_forward(model, loss_fn, batch: Batch, forward, form_budget: int | None) -> tuple[torch.Tensor, list]:
     """(masked per-example losses, the DP layers' records) of the forward in a GhostClipping context. A function of
     its own for torch.compile: a graph break inside the context (each layer's hook registration) makes dynamo run
     the frame that holds the context eagerly, and this keeps that frame small."""
-    with GhostClipping(batch.x.shape[0]) as ctx:
+    with GhostClipping(batch.x.shape[0], form_budget) as ctx:
         losses = loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y) * batch.mask
     return losses, ctx.records
 
@@ -276,6 +304,7 @@ def _clip_and_sum(
     layers: list,
     saved: list,
     grads_out: list,
+    formed: list | None,
     losses: torch.Tensor,
     mask: torch.Tensor,
     clip_norm,
@@ -283,9 +312,10 @@ def _clip_and_sum(
     loss_scale: float,
     finite_only: bool,
 ) -> tuple[list[list[torch.Tensor] | None], dict[int, torch.Tensor], torch.Tensor, torch.Tensor | None]:
-    """After the backward, from each DP layer call's saved input A and output gradient G: per-example norms, clip
-    factors, the clipped sums, the summed loss, the non-finite count (``finite_only``). Pure tensor work, outside
-    autocast (fp32 accumulation), one graph under torch.compile.
+    """After the backward, from each DP layer call's saved input A and output gradient G (or the per-example
+    gradients its hook formed in their place, ``formed``): per-example norms, clip factors, the clipped sums, the
+    summed loss, the non-finite count (``finite_only``). Pure tensor work, outside autocast (fp32 accumulation), one
+    graph under torch.compile.
 
     Clipped sums: one list per layer call whose parameters no other call uses (None for the others), and a dict
     (parameter ``id`` -> sum) for the parameters of calls that share one (tied weights, a layer called twice: their
@@ -298,12 +328,16 @@ def _clip_and_sum(
             "model shares parameters between layer calls (tied weights, or a layer called more than once); give "
             "one clip norm"
         )
-    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads_out) else torch.float32
+    formed = formed or [None] * len(layers)
+    dtypes = [t.dtype for t in grads_out if t is not None] + [ts[0].dtype for ts in formed if ts]
+    acc = torch.float64 if torch.float64 in dtypes else torch.float32
     caches = [{} if own else None for own in alone]  # per-example gradients a layer formed for its norm, reused
-    calls = list(zip(layers, saved, grads_out, caches, alone, strict=True))
-    rows = [layer.per_example_sq_norms(a, g, cache) for layer, a, g, cache, own in calls if own]
-    formed = [i for i, own in enumerate(alone) if not own]
-    uses = parameter_uses([layers[i] for i in formed], [saved[i] for i in formed], [grads_out[i] for i in formed])
+    calls = list(zip(layers, saved, grads_out, caches, formed, alone, strict=True))
+    rows = [layer.per_example_sq_norms(a, g, cache) if ts is None else formed_sq_norms(ts, acc)
+            for layer, a, g, cache, ts, own in calls if own]  # fmt: skip
+    sharing = [i for i, own in enumerate(alone) if not own]
+    uses = parameter_uses([layers[i] for i in sharing], [saved[i] for i in sharing], [grads_out[i] for i in sharing],
+                          [formed[i] for i in sharing])  # fmt: skip
     if uses:
         row = formed_norm_sq(uses, acc, DIRECT_MEMORY_BUDGET)
         rows.append(row.to(rows[0].dtype) if rows else row)
@@ -323,10 +357,13 @@ def _clip_and_sum(
         factors = torch.where(keep, factors, 0)
         saved, grads_out, losses = _finite_entries(saved), _finite_entries(grads_out), torch.where(keep, losses, 0)
         caches = [None if cache is None else {k: _finite_entries(v) for k, v in cache.items()} for cache in caches]
+        formed = [None if ts is None else _finite_entries(ts) for ts in formed]
         uses = map_tensors(uses, _finite_entries)
     own_factors = iter(factors)
-    sums = [layer.clipped_grad_sums(a, g, next(own_factors), cache) if own else None
-            for layer, a, g, cache, own in zip(layers, saved, grads_out, caches, alone, strict=True)]  # fmt: skip
+    sums = [(layer.clipped_grad_sums(a, g, next(own_factors), cache) if ts is None else
+             formed_weighted_sums(ts, next(own_factors), acc)) if own else None
+            for layer, a, g, cache, ts, own in zip(layers, saved, grads_out, caches, formed, alone,
+                                                   strict=True)]  # fmt: skip
     shared_sums = formed_sums(uses, factors[-1], acc) if uses else {}
     return sums, shared_sums, losses.sum(), dropped
 
@@ -372,6 +409,7 @@ class DPSGD(Variant):
     name = "dpsgd"
     private = True
     front_door = "ghost"
+    form_budget = DIRECT_MEMORY_BUDGET
     low_precision_refusal = None  # sound under bf16/fp16 autocast: see the module docstring
     _graph_state = ("nonfinite_examples",)
 
@@ -439,7 +477,7 @@ class DPSGD(Variant):
         # bf16/fp16: a non-finite example contributes zero (module docstring, "Non-finite examples")
         sums, loss, dropped = _ghost_clipped_gradient_sum(model, self.loss_fn, batch, self.clip_norm, scale,
                                                           self._forward, self.loss_scale,
-                                                          finite_only=self.precision != "fp32")  # fmt: skip
+                                                          self.precision != "fp32", self.form_budget)  # fmt: skip
         if dropped is not None:
             self.nonfinite_examples = self.nonfinite_examples + dropped
         return sums, loss
@@ -455,8 +493,11 @@ class DPSGD(Variant):
         if self.mode != "ghost":
             raise ValueError("DPSGD(mode='reference') recomputes per-example gradients with torch.func and cannot "
                              "use a backward run by the caller; use mode='ghost'")  # fmt: skip
-        low = any(t.is_floating_point() and t.dtype != torch.float64 and t.dtype != torch.float32
-                  for t in [*run.grads_out, *(a for saved in run.saved for a in saved)])  # fmt: skip
+        low = run.formed_from_half or any(
+            t.is_floating_point() and t.dtype != torch.float64 and t.dtype != torch.float32
+            for t in [*run.grads_out, *(a for saved in run.saved if saved is not None for a in saved)]
+            if t is not None
+        )
         scale, finite_only = 1.0 / self.expected_batch_size, low or self.precision != "fp32"
         sums, loss, dropped = clipped_sums_of_backward(model, run, mask, self.clip_norm, scale,
                                                        loss_scale * self.loss_scale, finite_only)  # fmt: skip

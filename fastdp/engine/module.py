@@ -99,7 +99,7 @@ class PrivateModule(nn.Module):
             )
         inputs = (args, kwargs)
         if self._variant.front_door == "ghost":
-            with GhostClipping(examples) as ctx:
+            with GhostClipping(examples, self._variant.form_budget) as ctx:
                 out = self._module(*args, **kwargs)
             self._pending.append(Recorded(ctx.records, examples, inputs))
             self._watch_internal_loss(out)

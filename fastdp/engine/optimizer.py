@@ -145,7 +145,7 @@ class DPOptimizer(Optimizer):
         if recorded.output is not None:
             return self._output_sums(recorded)
         records = recorded.records
-        if records and all(r.grad is None for r in records):
+        if records and all(r.grad is None and r.formed is None for r in records):
             return None  # a training forward whose loss was never backpropagated contributes nothing
         model = self.module._module
         check_supported(model)  # every step, as the variants: modes, modules and tied weights can change
@@ -165,7 +165,8 @@ class DPOptimizer(Optimizer):
                     f"{type(r.layer).__name__} was called on a tensor whose first dimension ({tuple(r.shape)}) is not "
                     f"the batch ({n} examples): DP layers need batch-first inputs so each row belongs to one example"
                 )
-        low = sorted({str(r.grad.dtype) for r in records if r.grad is not None and r.grad.dtype.itemsize < 4})
+        low = sorted({str(r.dtype) for r in records if (r.grad is not None or r.formed is not None)
+                      and r.dtype.itemsize < 4})  # fmt: skip
         if low and self.loss_reduction == "mean":
             raise ValueError(
                 f"loss_reduction='mean' with a backward in {low[0]} (autocast) is refused: the mean's 1/n is rounded "
@@ -174,15 +175,14 @@ class DPOptimizer(Optimizer):
                 "bound for batches of a few hundred). Sum the per-example losses and pass loss_reduction='sum' "
                 "(p.grad is then the noisy sum: divide the learning rate by the expected batch size), or train in fp32"
             )
-        grads = [r.grad if r.grad is not None else torch.zeros(r.shape, dtype=r.dtype) for r in records]
-        device = grads[0].device if grads else torch.device("cpu")
-        run = GhostBackward(params, [r.layer for r in records], [r.saved for r in records], grads,
-                            torch.zeros(n, device=device))  # fmt: skip
+        known = [t for r in records for t in ([r.grad] if r.grad is not None else r.formed or [])]
+        device = known[0].device if known else torch.device("cpu")
+        run = GhostBackward.of_records(params, records, torch.zeros(n, device=device))
         # "mean": G holds 1/n of each example's loss gradient; the variant folds n back in (no copy of G)
         loss_scale = 1.0 / n if self.loss_reduction == "mean" and n else 1.0
         sums, _ = self.variant.sums_of_backward(model, run, torch.ones(n, dtype=torch.bool, device=device),
                                                 self.steps_taken, loss_scale)  # fmt: skip
-        del run, grads
+        del run
         records.clear()  # A and G freed before the row probe's forwards (peak memory)
         if n >= 2:  # before anything is released: the sums are kept only if it passes
             self._check_rows(model, recorded.inputs, n)

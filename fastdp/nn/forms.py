@@ -84,6 +84,11 @@ Form = Dense | Outer | Rows
 _F64 = torch.float64
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, ...]`` as ``[B, prod(...)]`` (also for B = 0, where ``reshape(0, -1)`` is ambiguous)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+
+
 def _select(form: Form, part: slice) -> Form:
     """``form`` for the examples ``part``."""
     if isinstance(form, Dense):
@@ -107,7 +112,7 @@ def mass(form: Form) -> torch.Tensor:
     bounds the gradient's norm, and the size of what a sum of it rounds)."""
     u = torch.finfo(_F64).eps / 2
     if isinstance(form, Dense):
-        flat = form.t.reshape(form.t.shape[0], -1).to(_F64)
+        flat = _rows(form.t).to(_F64)
         return torch.linalg.vector_norm(flat, dim=1) * (1 + rounding_gamma(flat.shape[1] + 4, _F64))
     if isinstance(form, Outer):
         left, right = form.left.to(_F64), form.right.to(_F64)
@@ -127,7 +132,7 @@ def _inner(f: Form, h: Form, shape: torch.Size) -> tuple[torch.Tensor, int]:
     if isinstance(f, Dense):
         d = f.t.to(_F64)
         if isinstance(h, Dense):
-            return (d.reshape(d.shape[0], -1) * h.t.to(_F64).reshape(d.shape[0], -1)).sum(1), d[0].numel() + 2
+            return (_rows(d) * _rows(h.t.to(_F64))).sum(1), math.prod(d.shape[1:]) + 2
         if isinstance(h, Outer):  # sum_t left_t^T D right_t
             left, right = h.left.to(_F64), h.right.to(_F64)
             m, n = left.shape[2], right.shape[2]
@@ -193,7 +198,7 @@ def clipped_sum(form: Form, factors: torch.Tensor, shape: torch.Size, dtype: tor
     contribution (``fastdp.nn.layers._clip_sq``)."""
     c = factors.to(dtype)
     if isinstance(form, Dense):
-        return (c @ form.t.reshape(form.t.shape[0], -1).to(dtype)).reshape(shape)
+        return (c @ _rows(form.t).to(dtype)).reshape(shape)
     if isinstance(form, Outer):
         left = form.left.to(dtype) * c.reshape(-1, 1, 1)
         return (left.reshape(-1, left.shape[2]).t() @ form.right.to(dtype).reshape(-1, form.right.shape[2])).reshape(
@@ -202,6 +207,19 @@ def clipped_sum(form: Form, factors: torch.Tensor, shape: torch.Size, dtype: tor
     g = (form.g.to(dtype) * c.reshape(-1, 1, 1)).reshape(-1, form.g.shape[2])
     total = torch.zeros(form.rows, g.shape[1], dtype=dtype, device=g.device)
     return total.index_add_(0, form.idx.reshape(-1), g).reshape(shape)
+
+
+def formed_sq_norms(per_example: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
+    """Per-example squared norms [B] in ``acc`` of one layer call's formed per-example gradients (one tensor
+    ``[B, *shape]`` per parameter): the norm of the very tensors :func:`formed_weighted_sums` sums."""
+    return sum(torch.linalg.vector_norm(_rows(t), dim=1, dtype=acc).square() for t in per_example)
+
+
+def formed_weighted_sums(
+    per_example: list[torch.Tensor], factors: torch.Tensor, acc: torch.dtype
+) -> list[torch.Tensor]:
+    """``sum_i c_i g_i`` in ``acc`` of each of one layer call's formed per-example gradients (one GEMV each)."""
+    return [clipped_sum(Dense(t), factors, t.shape[1:], acc) for t in per_example]
 
 
 def direct_is_cheaper(uses: list[Form], numel: int) -> bool:
@@ -236,11 +254,13 @@ class SharedParameter:
     per_example: torch.Tensor | None = None
 
 
-def parameter_uses(layers: list, saved: list, grads_out: list) -> list[SharedParameter]:
-    """Every trainable parameter of the layer calls ``layers`` (first use first) with its uses' forms."""
+def parameter_uses(layers: list, saved: list, grads_out: list, formed: list | None = None) -> list[SharedParameter]:
+    """Every trainable parameter of the layer calls ``layers`` (first use first) with its uses' forms: ``Dense`` for
+    a call whose per-example gradients were formed in its gradient hook (``formed``, ``fastdp.nn.ghost``)."""
     uses: dict[int, SharedParameter] = {}
-    for layer, a, g in zip(layers, saved, grads_out, strict=True):
-        for p, form in zip(layer.dp_parameters(), layer.per_example_forms(a, g), strict=True):
+    for layer, a, g, ts in zip(layers, saved, grads_out, formed or [None] * len(layers), strict=True):
+        forms = layer.per_example_forms(a, g) if ts is None else [Dense(t) for t in ts]
+        for p, form in zip(layer.dp_parameters(), forms, strict=True):
             uses.setdefault(id(p), SharedParameter(p, [])).forms.append(form)
     return list(uses.values())
 
@@ -262,7 +282,8 @@ def formed_norm_sq(uses: list[SharedParameter], acc: torch.dtype, budget: int) -
     Per parameter: its uses' per-example gradients formed and summed where :func:`direct_is_cheaper` and the
     ``[B, *shape]`` tensor in ``acc`` fits ``budget`` bytes (their norm is that of the very tensor summed; kept in
     ``per_example`` for :func:`formed_sums`); else :func:`shared_norm_sq`, with each use's summation allowance
-    (``positions u mass``, ``fastdp.nn.layers._clip_sq``) added to the norm, rounded up into ``acc``."""
+    (``terms u mass``, ``fastdp.nn.layers._clip_sq``; :func:`_summed_terms`) added to the norm, rounded up into
+    ``acc``."""
     u = torch.finfo(acc).eps / 2
     total = None
     for use in uses:
@@ -270,13 +291,21 @@ def formed_norm_sq(uses: list[SharedParameter], acc: torch.dtype, budget: int) -
         b = forms[0].examples()
         if direct_is_cheaper(forms, p.numel()) and b * p.numel() * torch.finfo(acc).bits // 8 <= budget:
             use.per_example = functools.reduce(torch.add, (dense(f, p.shape, acc) for f in forms))
-            sq = torch.linalg.vector_norm(use.per_example.reshape(b, -1), dim=1, dtype=acc).square()
+            sq = torch.linalg.vector_norm(_rows(use.per_example), dim=1, dtype=acc).square()
         else:
             bound, _ = shared_norm_sq(forms, p.shape)
-            norm = bound.sqrt() + sum(f.positions() * u * mass(f) for f in forms)
+            norm = bound.sqrt() + sum(_summed_terms(f) * u * mass(f) for f in forms)
             sq = (norm * norm * (1 + 4 * u)).to(acc)
         total = sq if total is None else total + sq
     return total
+
+
+def _summed_terms(form: Form) -> int:
+    """How many of an example's terms :func:`clipped_sum` adds per entry of ``form``'s sum, for its summation
+    allowance: the positions of a product or row form; 2 for a Dense one (the product by c_i and its addition into
+    the GEMV's sum, each rounded: where the uses' gradients cancel at large magnitude, each use's own sum rounds at
+    that magnitude)."""
+    return max(form.positions(), 2)
 
 
 def formed_sums(uses: list[SharedParameter], factors: torch.Tensor, acc: torch.dtype) -> dict[int, torch.Tensor]:

@@ -13,6 +13,14 @@ the clip factors follow, and each layer's clipped sum is one GEMM A^T (c * G).
 A layer called several times in one forward records each call; a parameter several calls use (a layer called twice,
 tied weights) gets the sum of its uses' per-example gradients, normed with their cross terms (``fastdp.nn.forms``).
 
+Memory (``form_budget``, what DP-SGD passes): keeping every layer's A and G until the backward ends costs more than a
+non-private backward, which frees each G as it goes. A layer call whose per-example gradients take no more bytes than
+its A and G (a GroupNorm's or LayerNorm's affine parameters always; a Linear or convolution with many positions and
+few parameters; at most ``form_budget`` bytes) forms them in its gradient hook, in the accumulation dtype, and drops
+A and G: the record then holds ``formed``, the very tensors whose norms and weighted sums the step takes (what the
+direct path computes after the backward, computed earlier). Forming is linear in G, so it needs G whole: a second
+backward through the same forward is refused for such a record.
+
 The context lives for one step only: nothing is registered on the model.
 """
 
@@ -23,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdp.nn.forms import dense
+
 _state = threading.local()
 
 
@@ -32,21 +42,50 @@ class Record:
     ran."""
 
     layer: torch.nn.Module
-    saved: tuple
+    saved: tuple | None
     shape: torch.Size
     dtype: torch.dtype
     grad: torch.Tensor | None = None
+    form_budget: int | None = None  # see the module docstring
+    formed: list[torch.Tensor] | None = None  # per-example gradients of ``layer.dp_parameters()``, A and G dropped
+    formed_from_half: bool = False  # whether the A or G that ``formed`` came from had a dtype below float32
 
     def _capture(self, grad: torch.Tensor) -> None:
+        if self.formed is not None:
+            raise RuntimeError(
+                f"a second backward through one forward reached a {type(self.layer).__name__} whose per-example "
+                "gradients were formed in the first (DP-SGD keeps them instead of its input and output gradient): "
+                "sum the losses and call backward once per forward"
+            )
         self.grad = grad if self.grad is None else self.grad + grad
+        if self.form_budget is not None:
+            self._form()
+
+    @torch.no_grad()
+    def _form(self) -> None:
+        """Form the per-example gradients in place of A and G where they take no more memory (module docstring)."""
+        grad, params = self.grad, self.layer.dp_parameters()
+        acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        size = grad.shape[0] * sum(p.numel() for p in params) * acc.itemsize
+        kept = grad.numel() * grad.element_size() + sum(t.numel() * t.element_size() for t in _tensors(self.saved))
+        if not params or size > kept or size > self.form_budget:
+            return
+        with torch.autocast(grad.device.type, enabled=False):
+            forms = self.layer.per_example_forms(self.saved, grad)
+            self.formed = [dense(f, p.shape, acc) for f, p in zip(forms, params, strict=True)]
+        self.formed_from_half = any(
+            t.is_floating_point() and t.element_size() < 4 for t in [grad, *_tensors(self.saved)]
+        )
+        self.saved, self.grad = None, None
 
 
 class GhostClipping:
     """Context of one DP-SGD step's forward: DP layers record themselves here instead of producing weight grads."""
 
-    def __init__(self, batch: int | None = None) -> None:
+    def __init__(self, batch: int | None = None, form_budget: int | None = None) -> None:
         self.records: list[Record] = []
         self.batch = batch  # the number of examples of the forward, where known (an index shared by them is expanded)
+        self.form_budget = form_budget  # per-example gradients formed in the hooks, within it (module docstring)
 
     @torch.compiler.disable
     def tap(self, layer: torch.nn.Module, saved: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -54,7 +93,7 @@ class GhostClipping:
 
         Never compiled (``torch.compiler.disable``: a graph break per layer under torch.compile): it is Python
         bookkeeping and a hook registration, and tracing it would guard on this step's records."""
-        record = Record(layer, saved, output.shape, output.dtype)
+        record = Record(layer, saved, output.shape, output.dtype, form_budget=self.form_budget)
         if not output.requires_grad:
             # First layer: neither input nor (detached) parameters need grad. A non-leaf copy keeps in-place
             # ops on the output (ReLU(inplace=True)) legal.
@@ -71,6 +110,15 @@ class GhostClipping:
 
     def __exit__(self, *exc) -> None:
         _state.context = None
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors of a layer's saved tuple (nested tuples and lists walked, anything else skipped)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def active_context() -> GhostClipping | None:

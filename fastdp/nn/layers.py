@@ -580,7 +580,10 @@ class Embedding(nn.Embedding, DPLayer):
 
 
 class _AffineNorm(DPLayer):
-    """Shared by LayerNorm/GroupNorm: y = x_hat * w + b with x_hat the normalised input (saved)."""
+    """Shared by LayerNorm/GroupNorm: y = x_hat * w + b with x_hat the normalised input. The input x is saved (the
+    normalisation's autograd node holds it anyway) and x_hat recomputed from it, in the accumulation dtype, when the
+    per-example weight gradients are formed: saving x_hat would keep one more activation-sized tensor per layer
+    through the forward and backward."""
 
     # Subclasses define _normalise(x), _broadcast(param, x) and _reduce(t).
 
@@ -594,15 +597,17 @@ class _AffineNorm(DPLayer):
             out = out * self._broadcast(self._detached("weight"), x)
         if self.bias is not None:
             out = out + self._broadcast(self._detached("bias"), x)
-        return ctx.tap(self, (x_hat.detach(),), out)
+        return ctx.tap(self, (x.detach(),), out)
 
     def _per_example(self, saved, grad_out: torch.Tensor) -> list[torch.Tensor]:
         """Per-example gradients [B, *param.shape] of the trainable affine parameters (they are small)."""
-        (x_hat,) = saved
+        (x,) = saved
         acc = _acc(grad_out)
-        x_hat, grad_out = x_hat.to(acc), grad_out.to(acc)
+        grad_out = grad_out.to(acc)
         grads = []
         if self.weight is not None and self.weight.requires_grad:
+            with torch.autocast(x.device.type, enabled=False):
+                x_hat = self._normalise(x.to(acc))
             grads.append(self._reduce(grad_out * x_hat))
         if self.bias is not None and self.bias.requires_grad:
             grads.append(self._reduce(grad_out))
