@@ -32,7 +32,13 @@ from torch import nn
 
 from fastdp.nn.forms import Dense, Form, Outer, Rows
 from fastdp.nn.ghost import active_context
-from fastdp.ops import certified_ghost_norm_sq, certified_projections, certified_token_match_norm_sq, rounding_gamma
+from fastdp.ops import (
+    certified_conv_ghost_norm_sq,
+    certified_ghost_norm_sq,
+    certified_projections,
+    certified_token_match_norm_sq,
+    rounding_gamma,
+)
 
 PROJECTION_CHUNK_ELEMENTS = 1 << 24  # float64 entries a JL projection forms at a time (128 MiB)
 
@@ -313,6 +319,34 @@ class Linear(nn.Linear, DPLayer):
         return sums
 
 
+# Bytes of input and output gradient per convolution backward that forms per-example weight gradients
+# (_ConvNd._per_example_weight_conv): a few examples per call, measured fastest on a 2-core CPU (bench/bench_conv.py).
+CONV_BACKWARD_CHUNK_BYTES = 2 * 2**20
+# Output positions from which a convolution backward with the batch folded into the groups forms per-example weight
+# gradients faster than a batched GEMM over im2col patches (CPU, float32; bench/bench_conv.py).
+CONV_BACKWARD_MIN_POSITIONS = 128
+
+
+def _conv_backward_pays(x: torch.Tensor, positions: int) -> bool:
+    """Whether a convolution's per-example weight gradients are formed by convolution backwards (oneDNN's grouped
+    kernel; float32 on CPU, where it was measured 2-5x faster than im2col + batched GEMM over >= 256 positions)
+    rather than by the batched GEMM over im2col patches (faster over few positions, and the only path measured on
+    other devices and dtypes: float64 has no oneDNN kernel)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and positions >= CONV_BACKWARD_MIN_POSITIONS
+
+
+def _pixel_gram_pays(size, out_size, padding, kernel: int, channels: int) -> bool:
+    """Whether a convolution's ghost norm is cheaper from the input pixels' Gram (``(H W)^2 C`` multiply-adds, the
+    padded Gram's ``(H_p W_p)^2`` entries, K shifted additions of T^2) than from the patches' (``T^2 K C`` and an
+    im2col copy of ``T K C``): at stride 1 about K times cheaper; at stride 2 the pixels are 4 T, and the patches
+    win."""
+    pixels, positions = math.prod(size), math.prod(out_size)
+    padded = math.prod(n + 2 * p for n, p in zip(size, padding, strict=True))
+    return pixels * pixels * channels + padded * padded + kernel * positions * positions < positions * kernel * (
+        positions * channels + channels
+    )
+
+
 class _ConvNd(DPLayer):
     """Shared by Conv1d/Conv2d: per-example norms through the unfolded input (im2col)."""
 
@@ -374,14 +408,53 @@ class _ConvNd(DPLayer):
         return weight_grad(x, weight_shape, grad_out, self.stride, self._padding(), self.dilation, groups)
 
     def _per_example_weight(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        """[B, *weight.shape] per-example weight gradients: per example and group, G_i [C_out/g, L] times the input
-        patches [L, k * C_in/g], one batched GEMM (on CPU 2-9x faster than a convolution backward with the batch
-        folded into the groups), then the patch features reordered from (k, c) to the weight's (c, k)."""
+        """[B, *weight.shape] per-example weight gradients. Over many output positions on CPU in float32
+        (:func:`_conv_backward_pays`): a convolution backward with the batch folded into the groups, a chunk of
+        examples at a time (:meth:`_per_example_weight_conv`). Otherwise per example and group, G_i [C_out/g, L]
+        times the input patches [L, k * C_in/g], one batched GEMM, then the patch features reordered from (k, c) to
+        the weight's (c, k)."""
+        if _conv_backward_pays(x, math.prod(grad_out.shape[2:])):
+            return self._per_example_weight_conv(x, grad_out)
         b, cg = x.shape[0], self.weight.shape[1]
         a = self._patches(x)
         per_example = torch.bmm(grad_out.reshape(a.shape[0], -1, a.shape[1]), a)  # [B * groups, C_out/g, k * cg]
         per_example = per_example.reshape(b, self.out_channels, -1, cg).transpose(2, 3)
         return per_example.reshape(b, *self.weight.shape)
+
+    def _per_example_weight_conv(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        """:meth:`_per_example_weight` as convolution backwards (oneDNN on CPU) with the batch folded into the groups:
+        examples [i, i + m) are one input of m * C_in channels and m * groups groups, whose weight gradient
+        [m * C_out, C_in/g, *k] is the m examples' gradients in the weight's layout (no im2col copy, no reordering).
+        m examples at a time (:data:`CONV_BACKWARD_CHUNK_BYTES` of x and G): measured up to 2x faster than the whole
+        batch at once on CPU, and the convolution's workspace stays small."""
+        b = x.shape[0]
+        per_example = x.new_empty(b, *self.weight.shape)
+        size = (x[:1].numel() + grad_out[:1].numel()) * x.element_size()
+        rows = max(1, CONV_BACKWARD_CHUNK_BYTES // max(1, size))
+        for start in range(0, b, rows):
+            xs, gs = x[start : start + rows], grad_out[start : start + rows]
+            m = xs.shape[0]
+            grad = self._weight_grad(xs.reshape(1, -1, *xs.shape[2:]), gs.reshape(1, -1, *gs.shape[2:]),
+                                     (m * self.out_channels, *self.weight.shape[1:]), m * self.groups)  # fmt: skip
+            per_example[start : start + m] = grad.view(m, *self.weight.shape)
+        return per_example
+
+    def _ghost_bound(self, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Certified ``(bound, mass)`` [B * groups] of the per-example weight gradient, per example and group: from the
+        input pixels' Gram where that is cheaper than the patches' (stride 1: K times fewer multiply-adds, no
+        im2col; ``fastdp.ops.certified_conv_ghost_norm_sq``), else from the patches (``certified_ghost_norm_sq``)."""
+        b, groups = x.shape[0], self.groups
+        if self._spatial == 1:
+            x, grad_out = x.unsqueeze(2), grad_out.unsqueeze(2)
+            k, s, p, d = (1, *self.kernel_size), (1, *self.stride), (0, *self._padding()), (1, *self.dilation)
+        else:
+            k, s, p, d = self.kernel_size, self.stride, self._padding(), self.dilation
+        if _pixel_gram_pays(x.shape[2:], grad_out.shape[2:], p, math.prod(k), x.shape[1] // groups):
+            x, grad_out = x.reshape(b * groups, -1, *x.shape[2:]), grad_out.reshape(b * groups, -1, *grad_out.shape[2:])
+            return certified_conv_ghost_norm_sq(x, grad_out, k, s, p, d)
+        if self._spatial == 1:
+            x, grad_out = x.squeeze(2), grad_out.squeeze(2)
+        return certified_ghost_norm_sq(*self._grouped(x, grad_out))
 
     def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (x,) = saved
@@ -391,10 +464,9 @@ class _ConvNd(DPLayer):
             positions = math.prod(grad_out.shape[2:])
             fan_in = self.weight.shape[1] * math.prod(self.kernel_size)
             if _use_ghost(positions, self.out_channels // self.groups, fan_in) or not _fits(
-                b, self.out_channels, fan_in // self.groups, itemsize=x.element_size()
+                b, self.out_channels, fan_in, itemsize=x.element_size()
             ):
-                a, g = self._grouped(x, grad_out)
-                bound, mass = certified_ghost_norm_sq(a, g)  # per example and group: the groups' blocks add
+                bound, mass = self._ghost_bound(x, grad_out)  # per example and group: the groups' blocks add
                 total += _clip_sq(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1),
                                   positions, _acc(x))  # fmt: skip
             else:
