@@ -89,7 +89,7 @@ def picked(layer, x: torch.Tensor, g: torch.Tensor) -> str:
         k = math.prod(layer.kernel_size)
         pays = L._pixel_gram_pays(x.shape[2:], g.shape[2:], layer._padding(), k, x.shape[1] // layer.groups)
         return "gram-pixels" if layer._spatial == 2 and pays else "gram-patches"
-    return "convbwd" if L._conv_backward_pays(x, positions) else "im2col"
+    return "convbwd" if L._conv_backward_pays(x, positions, math.prod(layer.kernel_size)) else "im2col"
 
 
 def main(argv: list[str] | None = None) -> int:

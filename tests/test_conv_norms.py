@@ -52,15 +52,16 @@ def _im2col(layer, x, g):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("chunk_bytes", [1, 3000, 1 << 30])
-def test_convolution_backwards_form_the_per_example_weight_gradients(config, chunk_bytes, monkeypatch):
-    """Chunks of one example, of a few (5 = 2 + 2 + 1), and the whole batch: the float64 per-example gradients."""
-    monkeypatch.setattr(layers, "CONV_BACKWARD_CHUNK_BYTES", chunk_bytes)
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_convolution_backwards_form_the_per_example_weight_gradients(config, rows, monkeypatch):
+    """Chunks of one example, of two (5 = 2 + 2 + 1), and the whole batch: the float64 per-example gradients."""
     spatial, cin, cout, k, s, p, d, groups, size = config
     layer = _layer(spatial, cin, cout, k, s, p, d, groups)
     x = _input(spatial, 5, cin, size)
     with torch.no_grad():
         g = torch.randn_like(layer(x))
+    per_example_bytes = (x[0].numel() + g[0].numel() + layer.weight.numel()) * 4
+    monkeypatch.setattr(layers, "CONV_BACKWARD_CHUNK_BYTES", rows * per_example_bytes + per_example_bytes // 2)
     formed = layer._per_example_weight_conv(x, g)
     exact = _im2col(layer.double(), x.double(), g.double())
     assert formed.dtype == torch.float32 and formed.shape == (5, *layer.weight.shape)
@@ -88,13 +89,13 @@ def test_one_examples_values_never_reach_another_examples_gradient(config, monke
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_clipped_sums_of_a_float32_cnn_equal_torch_func(bias):
-    """A float32 CNN whose convolutions take each path: convolution backwards (16 x 16 positions), im2col (8 x 8),
-    the patches' Gram (stride 2 to 4 x 4) and the pixels' Gram (stride 1 at 4 x 4). DP-SGD's clipped sums equal
-    torch.func's per-example gradients, clipped and summed."""
+    """A float32 CNN whose convolutions take each path: convolution backwards (16 x 16 positions), im2col (1 x 1,
+    stride 2), the patches' Gram (stride 2 to 4 x 4) and the pixels' Gram (stride 1 at 4 x 4). DP-SGD's clipped sums
+    equal torch.func's per-example gradients, clipped and summed."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1, bias=bias), nn.GroupNorm(2, 8), nn.ReLU(),
-        nn.Conv2d(8, 32, 3, stride=2, padding=1, bias=bias), nn.ReLU(),
+        nn.Conv2d(8, 32, 1, stride=2, bias=bias), nn.ReLU(),
         nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=bias), nn.ReLU(),
         nn.Conv2d(64, 64, 3, padding=1, bias=bias), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 3),
@@ -113,7 +114,7 @@ def test_clipped_sums_of_a_float32_cnn_equal_torch_func(bias):
                     pixels = layers._pixel_gram_pays(h.shape[2:], out.shape[2:], m.padding, k, m.in_channels)
                     paths.append("pixels" if pixels else "patches")
                 else:
-                    paths.append("convbwd" if layers._conv_backward_pays(h, positions) else "im2col")
+                    paths.append("convbwd" if layers._conv_backward_pays(h, positions, k) else "im2col")
             h = m(h)
     assert paths == ["convbwd", "im2col", "patches", "pixels"]
     sums, _ = ghost_clipped_gradient_sum(converted, per_example_cross_entropy, batch, 0.05)
@@ -192,11 +193,12 @@ def test_the_pixel_gram_is_taken_at_stride_1_and_the_patches_otherwise():
     torch.testing.assert_close(layer._ghost_bound(x, g)[0], patches, rtol=1e-12, atol=0)
 
 
-def test_convolution_backwards_are_taken_for_float32_on_cpu_over_many_positions():
+def test_convolution_backwards_are_taken_for_float32_on_cpu_over_enough_positions():
     x = torch.zeros(2, 3, 4, 4)
-    assert layers._conv_backward_pays(x, 128) and not layers._conv_backward_pays(x, 127)
-    assert not layers._conv_backward_pays(x.double(), 1024)  # no oneDNN kernel: im2col
-    assert not layers._conv_backward_pays(x.bfloat16(), 1024)
+    assert layers._conv_backward_pays(x, 16, 9) and not layers._conv_backward_pays(x, 15, 9)
+    assert not layers._conv_backward_pays(x, 1024, 1)  # 1 x 1: the patches are the input, strided
+    assert not layers._conv_backward_pays(x.double(), 1024, 9)  # no oneDNN kernel: im2col
+    assert not layers._conv_backward_pays(x.bfloat16(), 1024, 9)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -319,20 +319,27 @@ class Linear(nn.Linear, DPLayer):
         return sums
 
 
-# Bytes of input and output gradient per convolution backward that forms per-example weight gradients
-# (_ConvNd._per_example_weight_conv): a few examples per call, measured fastest on a 2-core CPU (bench/bench_conv.py).
+# Bytes of input, output gradient and weight gradient per convolution backward that forms per-example weight
+# gradients (_ConvNd._per_example_weight_conv): 1-7 examples per call on ResNet-18-GN's layers (B 32, 32 x 32), near
+# the fastest chunk of each at 1 and 2 threads; oneDNN slows down 1.5-3x once a call's weight gradients pass a few
+# MB, and calls of one example over many positions are slower too (bench/bench_conv.py).
 CONV_BACKWARD_CHUNK_BYTES = 2 * 2**20
 # Output positions from which a convolution backward with the batch folded into the groups forms per-example weight
 # gradients faster than a batched GEMM over im2col patches (CPU, float32; bench/bench_conv.py).
-CONV_BACKWARD_MIN_POSITIONS = 128
+CONV_BACKWARD_MIN_POSITIONS = 16
 
 
-def _conv_backward_pays(x: torch.Tensor, positions: int) -> bool:
+def _conv_backward_pays(x: torch.Tensor, positions: int, kernel: int) -> bool:
     """Whether a convolution's per-example weight gradients are formed by convolution backwards (oneDNN's grouped
-    kernel; float32 on CPU, where it was measured 2-5x faster than im2col + batched GEMM over >= 256 positions)
-    rather than by the batched GEMM over im2col patches (faster over few positions, and the only path measured on
-    other devices and dtypes: float64 has no oneDNN kernel)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and positions >= CONV_BACKWARD_MIN_POSITIONS
+    kernel) rather than by the batched GEMM over im2col patches: float32 on CPU, a kernel of more than one tap and
+    at least :data:`CONV_BACKWARD_MIN_POSITIONS` output positions. Measured (2 cores, 1 and 2 threads) 1.2-4x faster
+    than im2col on 3 x 3 to 5 x 5 kernels over 16 to 1024 positions with 16 to 512 input channels (ResNet-18-GN's
+    64-channel layers 3.7x at 32 x 32; 1-D convolutions 1.5-2x), within 15 % either way on stems with 1-3 input
+    channels; a 1 x 1 kernel's patches are a strided copy of the input, and the GEMM over them was as fast or
+    faster. Other devices and dtypes keep the GEMM (float64 has no oneDNN kernel; nothing else was measured)."""
+    return (
+        x.device.type == "cpu" and x.dtype == torch.float32 and kernel > 1 and positions >= CONV_BACKWARD_MIN_POSITIONS
+    )
 
 
 def _pixel_gram_pays(size, out_size, padding, kernel: int, channels: int) -> bool:
@@ -413,7 +420,7 @@ class _ConvNd(DPLayer):
         examples at a time (:meth:`_per_example_weight_conv`). Otherwise per example and group, G_i [C_out/g, L]
         times the input patches [L, k * C_in/g], one batched GEMM, then the patch features reordered from (k, c) to
         the weight's (c, k)."""
-        if _conv_backward_pays(x, math.prod(grad_out.shape[2:])):
+        if _conv_backward_pays(x, math.prod(grad_out.shape[2:]), math.prod(self.kernel_size)):
             return self._per_example_weight_conv(x, grad_out)
         b, cg = x.shape[0], self.weight.shape[1]
         a = self._patches(x)
@@ -425,11 +432,11 @@ class _ConvNd(DPLayer):
         """:meth:`_per_example_weight` as convolution backwards (oneDNN on CPU) with the batch folded into the groups:
         examples [i, i + m) are one input of m * C_in channels and m * groups groups, whose weight gradient
         [m * C_out, C_in/g, *k] is the m examples' gradients in the weight's layout (no im2col copy, no reordering).
-        m examples at a time (:data:`CONV_BACKWARD_CHUNK_BYTES` of x and G): measured up to 2x faster than the whole
-        batch at once on CPU, and the convolution's workspace stays small."""
+        m examples at a time, their x, G and weight gradients within :data:`CONV_BACKWARD_CHUNK_BYTES` (oneDNN slows
+        down 2-4x once a call's weight gradients pass a few MB; a single example per call is slower too)."""
         b = x.shape[0]
         per_example = x.new_empty(b, *self.weight.shape)
-        size = (x[:1].numel() + grad_out[:1].numel()) * x.element_size()
+        size = (x[:1].numel() + grad_out[:1].numel() + self.weight.numel()) * x.element_size()
         rows = max(1, CONV_BACKWARD_CHUNK_BYTES // max(1, size))
         for start in range(0, b, rows):
             xs, gs = x[start : start + rows], grad_out[start : start + rows]
