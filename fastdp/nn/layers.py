@@ -320,10 +320,11 @@ class Linear(nn.Linear, DPLayer):
 
 
 # Bytes of input, output gradient and weight gradient per convolution backward that forms per-example weight
-# gradients (_ConvNd._per_example_weight_conv): 1-7 examples per call on ResNet-18-GN's layers (B 32, 32 x 32), near
-# the fastest chunk of each at 1 and 2 threads; oneDNN slows down 1.5-3x once a call's weight gradients pass a few
-# MB, and calls of one example over many positions are slower too (bench/bench_conv.py).
-CONV_BACKWARD_CHUNK_BYTES = 2 * 2**20
+# gradients (_ConvNd._per_example_weight_conv), in whole multiples of the thread count: 1-14 examples per call on
+# ResNet-18-GN's layers (B 32, 32 x 32), the fastest of the chunk rules measured at 1 and 2 threads; oneDNN slows
+# down 1.5-3x once a call's weight gradients pass a few MB, on an odd number of examples over 2 threads (up to
+# 1.4x), and on single examples over many positions (bench/bench_conv.py).
+CONV_BACKWARD_CHUNK_BYTES = 4 * 2**20
 # Output positions from which a convolution backward with the batch folded into the groups forms per-example weight
 # gradients faster than a batched GEMM over im2col patches (CPU, float32; bench/bench_conv.py).
 CONV_BACKWARD_MIN_POSITIONS = 16
@@ -432,12 +433,13 @@ class _ConvNd(DPLayer):
         """:meth:`_per_example_weight` as convolution backwards (oneDNN on CPU) with the batch folded into the groups:
         examples [i, i + m) are one input of m * C_in channels and m * groups groups, whose weight gradient
         [m * C_out, C_in/g, *k] is the m examples' gradients in the weight's layout (no im2col copy, no reordering).
-        m examples at a time, their x, G and weight gradients within :data:`CONV_BACKWARD_CHUNK_BYTES` (oneDNN slows
-        down 2-4x once a call's weight gradients pass a few MB; a single example per call is slower too)."""
+        m examples at a time: their x, G and weight gradients within :data:`CONV_BACKWARD_CHUNK_BYTES`, m a multiple of
+        the thread count where it can be."""
         b = x.shape[0]
         per_example = x.new_empty(b, *self.weight.shape)
         size = (x[:1].numel() + grad_out[:1].numel() + self.weight.numel()) * x.element_size()
-        rows = max(1, CONV_BACKWARD_CHUNK_BYTES // max(1, size))
+        rows, threads = max(1, CONV_BACKWARD_CHUNK_BYTES // max(1, size)), torch.get_num_threads()
+        rows -= rows % threads if rows >= threads else 0  # oneDNN spreads a call's groups over the threads
         for start in range(0, b, rows):
             xs, gs = x[start : start + rows], grad_out[start : start + rows]
             m = xs.shape[0]
