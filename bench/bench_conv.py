@@ -44,8 +44,8 @@ def paths(layer, x: torch.Tensor, g: torch.Tensor) -> dict:
 
     def direct(form):
         def run():
-            per_example = form(x, g)
-            return L._rowsq(per_example), L._weighted(factors, per_example)
+            blocks = form(x, g)
+            return torch.cat([L._rowsq(b) for b in blocks]), L._weighted_blocks(factors, blocks)
 
         return run
 
@@ -62,7 +62,7 @@ def paths(layer, x: torch.Tensor, g: torch.Tensor) -> dict:
         saved = L.CONV_BACKWARD_MIN_POSITIONS
         L.CONV_BACKWARD_MIN_POSITIONS = 1 << 62
         try:
-            return layer._per_example_weight(x, g)
+            return layer._per_example_weight_chunks(x, g)
         finally:
             L.CONV_BACKWARD_MIN_POSITIONS = saved
 

@@ -62,7 +62,7 @@ def test_convolution_backwards_form_the_per_example_weight_gradients(config, row
         g = torch.randn_like(layer(x))
     per_example_bytes = (x[0].numel() + g[0].numel() + layer.weight.numel()) * 4
     monkeypatch.setattr(layers, "CONV_BACKWARD_CHUNK_BYTES", rows * per_example_bytes + per_example_bytes // 2)
-    formed = layer._per_example_weight_conv(x, g)
+    formed = torch.cat(layer._per_example_weight_conv(x, g))
     exact = _im2col(layer.double(), x.double(), g.double())
     assert formed.dtype == torch.float32 and formed.shape == (5, *layer.weight.shape)
     torch.testing.assert_close(formed.double(), exact, rtol=1e-5, atol=1e-5)
@@ -78,20 +78,24 @@ def test_one_examples_values_never_reach_another_examples_gradient(config, monke
     x = _input(spatial, 5, cin, size)
     with torch.no_grad():
         g = torch.randn_like(layer(x))
-    clean = layer._per_example_weight_conv(x, g)
+    clean = torch.cat(layer._per_example_weight_conv(x, g))
     for value in (3e38, float("inf"), float("nan")):
         xb, gb = x.clone(), g.clone()
         xb[2], gb[2] = value, value
-        dirty = layer._per_example_weight_conv(xb, gb)
+        dirty = torch.cat(layer._per_example_weight_conv(xb, gb))
         others = [0, 1, 3, 4]
         assert torch.equal(dirty[others], clean[others])
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_clipped_sums_of_a_float32_cnn_equal_torch_func(bias):
-    """A float32 CNN whose convolutions take each path: convolution backwards (16 x 16 positions), im2col (1 x 1,
-    stride 2), the patches' Gram (stride 2 to 4 x 4) and the pixels' Gram (stride 1 at 4 x 4). DP-SGD's clipped sums
-    equal torch.func's per-example gradients, clipped and summed."""
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
+def test_clipped_sums_of_a_float32_cnn_equal_torch_func(bias, chunk_bytes, monkeypatch):
+    """A float32 CNN whose convolutions take each path: convolution backwards (16 x 16 positions; all examples in one
+    call, or one per call: blocks kept for the sum), im2col (1 x 1, stride 2), the patches' Gram (stride 2 to 4 x 4)
+    and the pixels' Gram (stride 1 at 4 x 4). DP-SGD's clipped sums equal torch.func's per-example gradients, clipped
+    and summed."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(layers, "CONV_BACKWARD_CHUNK_BYTES", chunk_bytes)
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1, bias=bias), nn.GroupNorm(2, 8), nn.ReLU(),

@@ -193,6 +193,15 @@ def _weighted(factors: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
     return (factors.to(acc) @ flat).reshape(per_example.shape[1:])  # one GEMV
 
 
+def _weighted_blocks(factors: torch.Tensor, blocks) -> torch.Tensor:
+    """:func:`_weighted` of per-example tensors kept as blocks of consecutive examples ([m, ...] each, in order)."""
+    total, start = None, 0
+    for block in blocks:
+        part = _weighted(factors[start : start + block.shape[0]], block)
+        total, start = part if total is None else total.add_(part), start + block.shape[0]
+    return total
+
+
 def own_trainable(module: nn.Module) -> list[nn.Parameter]:
     """``module``'s own trainable parameters in ``parameters(recurse=False)`` order, read from its parameter dict
     (called for every layer in every step: the generator machinery of ``parameters()`` costs more than the step's
@@ -416,37 +425,42 @@ class _ConvNd(DPLayer):
         return weight_grad(x, weight_shape, grad_out, self.stride, self._padding(), self.dilation, groups)
 
     def _per_example_weight(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        """[B, *weight.shape] per-example weight gradients. Over many output positions on CPU in float32
-        (:func:`_conv_backward_pays`): a convolution backward with the batch folded into the groups, a chunk of
-        examples at a time (:meth:`_per_example_weight_conv`). Otherwise per example and group, G_i [C_out/g, L]
-        times the input patches [L, k * C_in/g], one batched GEMM, then the patch features reordered from (k, c) to
-        the weight's (c, k)."""
+        """[B, *weight.shape] per-example weight gradients (:meth:`_per_example_weight_chunks`, joined)."""
+        chunks = self._per_example_weight_chunks(x, grad_out)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def _per_example_weight_chunks(self, x: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        """Per-example weight gradients, as [m, *weight.shape] blocks of consecutive examples. On CPU in float32
+        (:func:`_conv_backward_pays`): convolution backwards with the batch folded into the groups, m examples per
+        call (:meth:`_per_example_weight_conv`; the blocks are not joined: a copy of them all cost 12 % of their
+        time on ResNet-18-GN). Otherwise one block: per example and group, G_i [C_out/g, L] times the input patches
+        [L, k * C_in/g], one batched GEMM, then the patch features reordered from (k, c) to the weight's (c, k)."""
         if _conv_backward_pays(x, math.prod(grad_out.shape[2:]), math.prod(self.kernel_size)):
             return self._per_example_weight_conv(x, grad_out)
         b, cg = x.shape[0], self.weight.shape[1]
         a = self._patches(x)
         per_example = torch.bmm(grad_out.reshape(a.shape[0], -1, a.shape[1]), a)  # [B * groups, C_out/g, k * cg]
         per_example = per_example.reshape(b, self.out_channels, -1, cg).transpose(2, 3)
-        return per_example.reshape(b, *self.weight.shape)
+        return [per_example.reshape(b, *self.weight.shape)]
 
-    def _per_example_weight_conv(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        """:meth:`_per_example_weight` as convolution backwards (oneDNN on CPU) with the batch folded into the groups:
-        examples [i, i + m) are one input of m * C_in channels and m * groups groups, whose weight gradient
+    def _per_example_weight_conv(self, x: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`_per_example_weight_chunks` as convolution backwards (oneDNN on CPU) with the batch folded into the
+        groups: examples [i, i + m) are one input of m * C_in channels and m * groups groups, whose weight gradient
         [m * C_out, C_in/g, *k] is the m examples' gradients in the weight's layout (no im2col copy, no reordering).
         m examples at a time: their x, G and weight gradients within :data:`CONV_BACKWARD_CHUNK_BYTES`, m a multiple of
         the thread count where it can be."""
         b = x.shape[0]
-        per_example = x.new_empty(b, *self.weight.shape)
         size = (x[:1].numel() + grad_out[:1].numel() + self.weight.numel()) * x.element_size()
         rows, threads = max(1, CONV_BACKWARD_CHUNK_BYTES // max(1, size)), torch.get_num_threads()
         rows -= rows % threads if rows >= threads else 0  # oneDNN spreads a call's groups over the threads
+        chunks = []
         for start in range(0, b, rows):
             xs, gs = x[start : start + rows], grad_out[start : start + rows]
             m = xs.shape[0]
             grad = self._weight_grad(xs.reshape(1, -1, *xs.shape[2:]), gs.reshape(1, -1, *gs.shape[2:]),
                                      (m * self.out_channels, *self.weight.shape[1:]), m * self.groups)  # fmt: skip
-            per_example[start : start + m] = grad.view(m, *self.weight.shape)
-        return per_example
+            chunks.append(grad.view(m, *self.weight.shape))
+        return chunks
 
     def _ghost_bound(self, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Certified ``(bound, mass)`` [B * groups] of the per-example weight gradient, per example and group: from the
@@ -479,10 +493,10 @@ class _ConvNd(DPLayer):
                 total += _clip_sq(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1),
                                   positions, _acc(x))  # fmt: skip
             else:
-                per_example = self._per_example_weight(x, grad_out)
+                chunks = self._per_example_weight_chunks(x, grad_out)
                 if cache is not None:
-                    cache["weight"] = per_example
-                total += _rowsq(per_example)
+                    cache["weight"] = tuple(chunks)  # blocks of consecutive examples
+                total += torch.cat([_rowsq(chunk) for chunk in chunks])
         if self.bias is not None and self.bias.requires_grad:
             bias = grad_out.flatten(2).sum(2)  # per-example bias gradients [B, C_out]
             if cache is not None:
@@ -525,7 +539,7 @@ class _ConvNd(DPLayer):
         (x,) = saved
         sums = []
         if self.weight.requires_grad and cache and "weight" in cache:
-            sums.append(_weighted(factors, cache["weight"]))
+            sums.append(_weighted_blocks(factors, cache["weight"]))
         elif self.weight.requires_grad:  # one weight-gradient convolution, the smaller of x and G scaled by c
             acc = _acc(x)
             if x.numel() < grad_out.numel():
