@@ -91,7 +91,7 @@ def test_one_examples_values_never_reach_another_examples_gradient(config, monke
 @pytest.mark.parametrize("chunk_bytes", [None, 1])
 def test_clipped_sums_of_a_float32_cnn_equal_torch_func(bias, chunk_bytes, monkeypatch):
     """A float32 CNN whose convolutions take each path: convolution backwards (16 x 16 positions; all examples in one
-    call, or one per call: blocks kept for the sum), im2col (1 x 1, stride 2), the patches' Gram (stride 2 to 4 x 4)
+    call, or one per call: blocks kept for the sum), im2col (1 x 1 over 4 x 4), the patches' Gram (stride 2 to 4 x 4)
     and the pixels' Gram (stride 1 at 4 x 4). DP-SGD's clipped sums equal torch.func's per-example gradients, clipped
     and summed."""
     if chunk_bytes is not None:
@@ -99,9 +99,10 @@ def test_clipped_sums_of_a_float32_cnn_equal_torch_func(bias, chunk_bytes, monke
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1, bias=bias), nn.GroupNorm(2, 8), nn.ReLU(),
-        nn.Conv2d(8, 32, 1, stride=2, bias=bias), nn.ReLU(),
+        nn.Conv2d(8, 32, 3, stride=2, padding=1, bias=bias), nn.ReLU(),
         nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=bias), nn.ReLU(),
-        nn.Conv2d(64, 64, 3, padding=1, bias=bias), nn.ReLU(),
+        nn.Conv2d(64, 8, 1, bias=bias), nn.ReLU(),
+        nn.Conv2d(8, 64, 3, padding=1, bias=bias), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 3),
     )  # fmt: skip
     x = torch.randn(6, 3, 16, 16)
@@ -120,7 +121,7 @@ def test_clipped_sums_of_a_float32_cnn_equal_torch_func(bias, chunk_bytes, monke
                 else:
                     paths.append("convbwd" if layers._conv_backward_pays(h, positions, k) else "im2col")
             h = m(h)
-    assert paths == ["convbwd", "im2col", "patches", "pixels"]
+    assert paths == ["convbwd", "convbwd", "patches", "im2col", "pixels"]
     sums, _ = ghost_clipped_gradient_sum(converted, per_example_cross_entropy, batch, 0.05)
     for s, e in zip(sums, expected, strict=True):
         torch.testing.assert_close(s, e, rtol=2e-4, atol=1e-6)
@@ -200,7 +201,7 @@ def test_the_pixel_gram_is_taken_at_stride_1_and_the_patches_otherwise():
 def test_convolution_backwards_are_taken_for_float32_on_cpu_over_enough_positions():
     x = torch.zeros(2, 3, 4, 4)
     assert layers._conv_backward_pays(x, 16, 9) and not layers._conv_backward_pays(x, 15, 9)
-    assert not layers._conv_backward_pays(x, 1024, 1)  # 1 x 1: the patches are the input, strided
+    assert layers._conv_backward_pays(x, 64, 1) and not layers._conv_backward_pays(x, 63, 1)  # 1 x 1: from 64
     assert not layers._conv_backward_pays(x.double(), 1024, 9)  # no oneDNN kernel: im2col
     assert not layers._conv_backward_pays(x.bfloat16(), 1024, 9)
 

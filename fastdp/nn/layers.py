@@ -335,21 +335,22 @@ class Linear(nn.Linear, DPLayer):
 # 1.4x), and on single examples over many positions (bench/bench_conv.py).
 CONV_BACKWARD_CHUNK_BYTES = 4 * 2**20
 # Output positions from which a convolution backward with the batch folded into the groups forms per-example weight
-# gradients faster than a batched GEMM over im2col patches (CPU, float32; bench/bench_conv.py).
+# gradients faster than a batched GEMM over im2col patches (CPU, float32; 4x as many for a 1 x 1 kernel;
+# bench/bench_conv.py).
 CONV_BACKWARD_MIN_POSITIONS = 16
 
 
 def _conv_backward_pays(x: torch.Tensor, positions: int, kernel: int) -> bool:
     """Whether a convolution's per-example weight gradients are formed by convolution backwards (oneDNN's grouped
-    kernel) rather than by the batched GEMM over im2col patches: float32 on CPU, a kernel of more than one tap and
-    at least :data:`CONV_BACKWARD_MIN_POSITIONS` output positions. Measured (2 cores, 1 and 2 threads) 1.2-4x faster
-    than im2col on 3 x 3 to 5 x 5 kernels over 16 to 1024 positions with 16 to 512 input channels (ResNet-18-GN's
-    64-channel layers 3.7x at 32 x 32; 1-D convolutions 1.5-2x), within 15 % either way on stems with 1-3 input
-    channels; a 1 x 1 kernel's patches are a strided copy of the input, and the GEMM over them was as fast or
-    faster. Other devices and dtypes keep the GEMM (float64 has no oneDNN kernel; nothing else was measured)."""
-    return (
-        x.device.type == "cpu" and x.dtype == torch.float32 and kernel > 1 and positions >= CONV_BACKWARD_MIN_POSITIONS
-    )
+    kernel) rather than by the batched GEMM over im2col patches: float32 on CPU and at least
+    :data:`CONV_BACKWARD_MIN_POSITIONS` output positions (4x as many for a 1 x 1 kernel). Measured (2 cores, 1 and 2
+    threads) 1.2-4x faster than im2col on 3 x 3 to 5 x 5 kernels over 16 to 1024 positions with 16 to 512 input
+    channels (ResNet-18-GN's 64-channel layers 4.7x at 32 x 32; 1-D convolutions 1.5-2x), within 15 % either way on
+    stems with 1-3 input channels; on 1 x 1 kernels as fast or up to 3.7x faster from 64 positions, up to 2x slower
+    over 16. Other devices and dtypes keep the GEMM (float64 has no oneDNN kernel; nothing else was measured)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return False
+    return positions >= CONV_BACKWARD_MIN_POSITIONS * (1 if kernel > 1 else 4)
 
 
 def _pixel_gram_pays(size, out_size, padding, kernel: int, channels: int) -> bool:
