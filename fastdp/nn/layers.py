@@ -366,7 +366,8 @@ def _pixel_gram_pays(size, out_size, padding, kernel: int, channels: int) -> boo
 
 
 class _ConvNd(DPLayer):
-    """Shared by Conv1d/Conv2d: per-example norms through the unfolded input (im2col)."""
+    """Shared by Conv1d/Conv2d: per-example weight gradients (convolution backwards per block of examples, or a GEMM
+    over the unfolded input, im2col) or certified Gram norms (of the input pixels at stride 1, else of the patches)."""
 
     _spatial: int
 
