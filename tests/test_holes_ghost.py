@@ -116,7 +116,8 @@ def test_certified_token_match_norm_bounds_the_embedding_gradient_norm():
 
 def test_the_models_above_take_the_gram_path():
     """The regression tests above are about the Gram (ghost) norm: their layers must still take it."""
-    from fastdp.nn.layers import _use_ghost
+    from fastdp.nn.layers import _pixel_gram_pays, _use_ghost
 
     assert _use_ghost(16, 128, 8 * 9)  # ConvPool's conv: 4 x 4 output positions
+    assert _pixel_gram_pays((6, 6), (4, 4), (0, 0), 9, 8)  # ... from the input pixels' Gram (stride 1)
     assert _use_ghost(2, 16, 8)  # TokenLinear's lin on cancelling_tokens' 2 positions

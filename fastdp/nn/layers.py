@@ -32,7 +32,13 @@ from torch import nn
 
 from fastdp.nn.forms import Dense, Form, Outer, Rows
 from fastdp.nn.ghost import active_context
-from fastdp.ops import certified_ghost_norm_sq, certified_projections, certified_token_match_norm_sq, rounding_gamma
+from fastdp.ops import (
+    certified_conv_ghost_norm_sq,
+    certified_ghost_norm_sq,
+    certified_projections,
+    certified_token_match_norm_sq,
+    rounding_gamma,
+)
 
 PROJECTION_CHUNK_ELEMENTS = 1 << 24  # float64 entries a JL projection forms at a time (128 MiB)
 
@@ -187,6 +193,15 @@ def _weighted(factors: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
     return (factors.to(acc) @ flat).reshape(per_example.shape[1:])  # one GEMV
 
 
+def _weighted_blocks(factors: torch.Tensor, blocks) -> torch.Tensor:
+    """:func:`_weighted` of per-example tensors kept as blocks of consecutive examples ([m, ...] each, in order)."""
+    total, start = None, 0
+    for block in blocks:
+        part = _weighted(factors[start : start + block.shape[0]], block)
+        total, start = part if total is None else total.add_(part), start + block.shape[0]
+    return total
+
+
 def own_trainable(module: nn.Module) -> list[nn.Parameter]:
     """``module``'s own trainable parameters in ``parameters(recurse=False)`` order, read from its parameter dict
     (called for every layer in every step: the generator machinery of ``parameters()`` costs more than the step's
@@ -313,8 +328,46 @@ class Linear(nn.Linear, DPLayer):
         return sums
 
 
+# Bytes of input, output gradient and weight gradient per convolution backward that forms per-example weight
+# gradients (_ConvNd._per_example_weight_conv), in whole multiples of the thread count: 1-14 examples per call on
+# ResNet-18-GN's layers (B 32, 32 x 32), the fastest of the chunk rules measured at 1 and 2 threads; oneDNN slows
+# down 1.5-3x once a call's weight gradients pass a few MB, on an odd number of examples over 2 threads (up to
+# 1.4x), and on single examples over many positions (bench/bench_conv.py).
+CONV_BACKWARD_CHUNK_BYTES = 4 * 2**20
+# Output positions from which a convolution backward with the batch folded into the groups forms per-example weight
+# gradients faster than a batched GEMM over im2col patches (CPU, float32; 4x as many for a 1 x 1 kernel;
+# bench/bench_conv.py).
+CONV_BACKWARD_MIN_POSITIONS = 16
+
+
+def _conv_backward_pays(x: torch.Tensor, positions: int, kernel: int) -> bool:
+    """Whether a convolution's per-example weight gradients are formed by convolution backwards (oneDNN's grouped
+    kernel) rather than by the batched GEMM over im2col patches: float32 on CPU and at least
+    :data:`CONV_BACKWARD_MIN_POSITIONS` output positions (4x as many for a 1 x 1 kernel). Measured (2 cores, 1 and 2
+    threads) 1.2-4x faster than im2col on 3 x 3 to 5 x 5 kernels over 16 to 1024 positions with 16 to 512 input
+    channels (ResNet-18-GN's 64-channel layers 4.7x at 32 x 32; 1-D convolutions 1.5-2x), within 15 % either way on
+    stems with 1-3 input channels; on 1 x 1 kernels as fast or up to 3.7x faster from 64 positions, up to 2x slower
+    over 16. Other devices and dtypes keep the GEMM (float64 has no oneDNN kernel; nothing else was measured)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return False
+    return positions >= CONV_BACKWARD_MIN_POSITIONS * (1 if kernel > 1 else 4)
+
+
+def _pixel_gram_pays(size, out_size, padding, kernel: int, channels: int) -> bool:
+    """Whether a convolution's ghost norm is cheaper from the input pixels' Gram (``(H W)^2 C`` multiply-adds, the
+    padded Gram's ``(H_p W_p)^2`` entries, K shifted additions of T^2) than from the patches' (``T^2 K C`` and an
+    im2col copy of ``T K C``): at stride 1 about K times cheaper; at stride 2 the pixels are 4 T, and the patches
+    win."""
+    pixels, positions = math.prod(size), math.prod(out_size)
+    padded = math.prod(n + 2 * p for n, p in zip(size, padding, strict=True))
+    return pixels * pixels * channels + padded * padded + kernel * positions * positions < positions * kernel * (
+        positions * channels + channels
+    )
+
+
 class _ConvNd(DPLayer):
-    """Shared by Conv1d/Conv2d: per-example norms through the unfolded input (im2col)."""
+    """Shared by Conv1d/Conv2d: per-example weight gradients (convolution backwards per block of examples, or a GEMM
+    over the unfolded input, im2col) or certified Gram norms (of the input pixels at stride 1, else of the patches)."""
 
     _spatial: int
 
@@ -374,14 +427,59 @@ class _ConvNd(DPLayer):
         return weight_grad(x, weight_shape, grad_out, self.stride, self._padding(), self.dilation, groups)
 
     def _per_example_weight(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-        """[B, *weight.shape] per-example weight gradients: per example and group, G_i [C_out/g, L] times the input
-        patches [L, k * C_in/g], one batched GEMM (on CPU 2-9x faster than a convolution backward with the batch
-        folded into the groups), then the patch features reordered from (k, c) to the weight's (c, k)."""
+        """[B, *weight.shape] per-example weight gradients (:meth:`_per_example_weight_chunks`, joined)."""
+        chunks = self._per_example_weight_chunks(x, grad_out)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def _per_example_weight_chunks(self, x: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        """Per-example weight gradients, as [m, *weight.shape] blocks of consecutive examples. On CPU in float32
+        (:func:`_conv_backward_pays`): convolution backwards with the batch folded into the groups, m examples per
+        call (:meth:`_per_example_weight_conv`; the blocks are not joined: a copy of them all cost 12 % of their
+        time on ResNet-18-GN). Otherwise one block: per example and group, G_i [C_out/g, L] times the input patches
+        [L, k * C_in/g], one batched GEMM, then the patch features reordered from (k, c) to the weight's (c, k)."""
+        if _conv_backward_pays(x, math.prod(grad_out.shape[2:]), math.prod(self.kernel_size)):
+            return self._per_example_weight_conv(x, grad_out)
         b, cg = x.shape[0], self.weight.shape[1]
         a = self._patches(x)
         per_example = torch.bmm(grad_out.reshape(a.shape[0], -1, a.shape[1]), a)  # [B * groups, C_out/g, k * cg]
         per_example = per_example.reshape(b, self.out_channels, -1, cg).transpose(2, 3)
-        return per_example.reshape(b, *self.weight.shape)
+        return [per_example.reshape(b, *self.weight.shape)]
+
+    def _per_example_weight_conv(self, x: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`_per_example_weight_chunks` as convolution backwards (oneDNN on CPU) with the batch folded into the
+        groups: examples [i, i + m) are one input of m * C_in channels and m * groups groups, whose weight gradient
+        [m * C_out, C_in/g, *k] is the m examples' gradients in the weight's layout (no im2col copy, no reordering).
+        m examples at a time: their x, G and weight gradients within :data:`CONV_BACKWARD_CHUNK_BYTES`, m a multiple of
+        the thread count where it can be."""
+        b = x.shape[0]
+        size = (x[:1].numel() + grad_out[:1].numel() + self.weight.numel()) * x.element_size()
+        rows, threads = max(1, CONV_BACKWARD_CHUNK_BYTES // max(1, size)), torch.get_num_threads()
+        rows -= rows % threads if rows >= threads else 0  # oneDNN spreads a call's groups over the threads
+        chunks = []
+        for start in range(0, b, rows):
+            xs, gs = x[start : start + rows], grad_out[start : start + rows]
+            m = xs.shape[0]
+            grad = self._weight_grad(xs.reshape(1, -1, *xs.shape[2:]), gs.reshape(1, -1, *gs.shape[2:]),
+                                     (m * self.out_channels, *self.weight.shape[1:]), m * self.groups)  # fmt: skip
+            chunks.append(grad.view(m, *self.weight.shape))
+        return chunks
+
+    def _ghost_bound(self, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Certified ``(bound, mass)`` [B * groups] of the per-example weight gradient, per example and group: from the
+        input pixels' Gram where that is cheaper than the patches' (stride 1: K times fewer multiply-adds, no
+        im2col; ``fastdp.ops.certified_conv_ghost_norm_sq``), else from the patches (``certified_ghost_norm_sq``)."""
+        b, groups = x.shape[0], self.groups
+        if self._spatial == 1:
+            x, grad_out = x.unsqueeze(2), grad_out.unsqueeze(2)
+            k, s, p, d = (1, *self.kernel_size), (1, *self.stride), (0, *self._padding()), (1, *self.dilation)
+        else:
+            k, s, p, d = self.kernel_size, self.stride, self._padding(), self.dilation
+        if _pixel_gram_pays(x.shape[2:], grad_out.shape[2:], p, math.prod(k), x.shape[1] // groups):
+            x, grad_out = x.reshape(b * groups, -1, *x.shape[2:]), grad_out.reshape(b * groups, -1, *grad_out.shape[2:])
+            return certified_conv_ghost_norm_sq(x, grad_out, k, s, p, d)
+        if self._spatial == 1:
+            x, grad_out = x.squeeze(2), grad_out.squeeze(2)
+        return certified_ghost_norm_sq(*self._grouped(x, grad_out))
 
     def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (x,) = saved
@@ -391,17 +489,16 @@ class _ConvNd(DPLayer):
             positions = math.prod(grad_out.shape[2:])
             fan_in = self.weight.shape[1] * math.prod(self.kernel_size)
             if _use_ghost(positions, self.out_channels // self.groups, fan_in) or not _fits(
-                b, self.out_channels, fan_in // self.groups, itemsize=x.element_size()
+                b, self.out_channels, fan_in, itemsize=x.element_size()
             ):
-                a, g = self._grouped(x, grad_out)
-                bound, mass = certified_ghost_norm_sq(a, g)  # per example and group: the groups' blocks add
+                bound, mass = self._ghost_bound(x, grad_out)  # per example and group: the groups' blocks add
                 total += _clip_sq(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1),
                                   positions, _acc(x))  # fmt: skip
             else:
-                per_example = self._per_example_weight(x, grad_out)
+                chunks = self._per_example_weight_chunks(x, grad_out)
                 if cache is not None:
-                    cache["weight"] = per_example
-                total += _rowsq(per_example)
+                    cache["weight"] = tuple(chunks)  # blocks of consecutive examples
+                total += torch.cat([_rowsq(chunk) for chunk in chunks])
         if self.bias is not None and self.bias.requires_grad:
             bias = grad_out.flatten(2).sum(2)  # per-example bias gradients [B, C_out]
             if cache is not None:
@@ -444,7 +541,7 @@ class _ConvNd(DPLayer):
         (x,) = saved
         sums = []
         if self.weight.requires_grad and cache and "weight" in cache:
-            sums.append(_weighted(factors, cache["weight"]))
+            sums.append(_weighted_blocks(factors, cache["weight"]))
         elif self.weight.requires_grad:  # one weight-gradient convolution, the smaller of x and G scaled by c
             acc = _acc(x)
             if x.numel() < grad_out.numel():

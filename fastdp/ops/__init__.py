@@ -3,6 +3,7 @@
 from fastdp.ops.clip import clip_gradient, clip_rows
 from fastdp.ops.noise import add_noise_, noisy_sgd_step_
 from fastdp.ops.norms import (
+    certified_conv_ghost_norm_sq,
     certified_ghost_norm_sq,
     certified_projections,
     certified_token_match_norm_sq,
@@ -26,6 +27,7 @@ from fastdp.ops.spectral import (
 __all__ = [
     "add_noise_",
     "bjorck_orthonormalize",
+    "certified_conv_ghost_norm_sq",
     "certified_ghost_norm_sq",
     "certified_projections",
     "certified_token_match_norm_sq",

@@ -27,6 +27,7 @@ from fastdp import _backend, _ext
 from fastdp.ref import norms as ref
 
 __all__ = [
+    "certified_conv_ghost_norm_sq",
     "certified_ghost_norm_sq",
     "certified_projections",
     "certified_token_match_norm_sq",
@@ -183,6 +184,22 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     _check_ghost(a, g)
     with torch.no_grad():
         return ref.certified_ghost_norm_sq(a.detach(), g.detach())
+
+
+def certified_conv_ghost_norm_sq(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`certified_ghost_norm_sq` of a convolution's per-example weight gradient from the Gram of its input
+    pixels (no im2col; K times fewer multiply-adds than the patch Gram at stride 1): ``(bound, mass)``, float64 [N],
+    for ``x`` [N, C, H, W] (unpadded input, one group per row) and ``g`` [N, p, H_out, W_out]. The torch reference on
+    every device (``fastdp.ref.norms.certified_conv_ghost_norm_sq``); detached."""
+    with torch.no_grad():
+        return ref.certified_conv_ghost_norm_sq(x.detach(), g.detach(), kernel_size, stride, padding, dilation)
 
 
 def certified_projections(

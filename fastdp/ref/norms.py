@@ -96,6 +96,64 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     return out.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
 
 
+def certified_conv_ghost_norm_sq(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    kernel_size: tuple[int, int],
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`certified_ghost_norm_sq` of a 2-D convolution's per-example weight gradient from the Gram of the input
+    pixels, without unfolding the input: ``(bound, mass)``, float64 [N], ``bound[i] >= ||sum_t g_it a_it^T||_F^2``
+    (the exact per-example gradient of the values given) and ``mass[i] >= sum_t |a_it| |g_it|``, where ``a_it`` is
+    example i's input patch at output position t (the zero-padded ``x`` [N, C, H, W] read at stride, dilation and
+    kernel offsets) and ``g_it`` its output gradient (``g`` [N, p, H_out, W_out]). One group: fold groups into N.
+
+    The patch Gram is a sum of K = k_h k_w shifted copies of the pixel Gram: ``a_t . a_s = sum_k x_{u_k(t)} .
+    x_{u_k(s)}`` (u_k(t): the padded pixel that kernel offset k reads at position t; padding pixels are zero, so their
+    Gram entries are exact zeros). The pixel Gram costs (H W)^2 C multiply-adds against the patch Gram's T^2 K C:
+    K times fewer at stride 1. Rounding, in float64: a pixel Gram entry is a dot product of length C, within gamma_C
+    |x_u| |x_v|; adding the K shifted entries adds gamma_K of their absolute sum; so a patch Gram entry is within
+    gamma_{C + K} sum_k |x_{u_k(t)}| |x_{u_k(s)}| <= gamma_{C + K} |a_t| |a_s| (Cauchy-Schwarz): the error model of
+    :func:`certified_ghost_norm_sq` with d = C + K, whose bound ``gamma_{d + p + T^2 + 2} M^2`` is added here the
+    same way. ``|a_t|`` is the square root of the Gram's diagonal (relative error <= gamma_{C + K} / 2 + u); the
+    mass is rounded up by ``1 + gamma_{C + K + p + T + 4}``, which covers it with the norm of g, the products and
+    the sum over T."""
+    acc = torch.float64
+    n, c, h, w = x.shape
+    p, seq = g.shape[1], g.shape[2] * g.shape[3]
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel_size, stride, padding, dilation
+    hp, wp = h + 2 * ph, w + 2 * pw
+    d = c + kh * kw
+    u = unit_roundoff(acc)
+    chunk = max(1, GRAM_CHUNK_ELEMENTS // max(1, (hp * wp) ** 2, seq * seq))
+    out = torch.empty(n, dtype=acc, device=x.device)
+    mass = torch.empty(n, dtype=acc, device=x.device)
+    for start in range(0, n, chunk):
+        xc = x[start : start + chunk].to(acc).reshape(-1, c, h * w)
+        m = xc.shape[0]
+        pixels = torch.bmm(xc.transpose(1, 2), xc).view(m, h, w, h, w)
+        pixels = torch.nn.functional.pad(pixels, (pw, pw, ph, ph, pw, pw, ph, ph))  # [m, hp, wp, hp, wp]
+        s = pixels.stride()
+        gram_a = None
+        for i in range(kh):
+            for j in range(kw):
+                shifted = pixels.as_strided(
+                    (m, g.shape[2], g.shape[3], g.shape[2], g.shape[3]),
+                    (s[0], sh * s[1], sw * s[2], sh * s[3], sw * s[4]),
+                    pixels.storage_offset() + dh * i * (s[1] + s[3]) + dw * j * (s[2] + s[4]),
+                )
+                gram_a = shifted.clone() if gram_a is None else gram_a.add_(shifted)
+        gram_a = gram_a.view(m, seq, seq)
+        gc = g[start : start + chunk].to(acc).reshape(m, p, seq)
+        rows = gram_a.diagonal(dim1=1, dim2=2).sqrt() * torch.linalg.vector_norm(gc, dim=1)
+        mass[start : start + chunk] = rows.sum(1)
+        out[start : start + chunk] = gram_a.mul_(torch.bmm(gc.transpose(1, 2), gc)).sum(dim=(1, 2))
+    mass = mass * (1 + _gamma(d + p + seq + 4, u))
+    return out.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
+
+
 def certified_projections(
     per_example: torch.Tensor, tangents: torch.Tensor, mass: torch.Tensor, positions: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
