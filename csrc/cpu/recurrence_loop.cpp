@@ -1,0 +1,331 @@
+// Time loops of the recurrent layers on CPU (cpu/recurrence_loop.h): the Python loops of fastdp/nn/recurrent.py
+// cost about 10 small kernels of a few microseconds of dispatch each per step, as much as the step's GEMM at
+// B 64, H 128; here a step is one at::mm_out and one gate kernel (cpu/recurrence.h) whose rows are split over the
+// threads when there are enough of them.
+#include "cpu/recurrence_loop.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "cpu/recurrence.h"
+
+namespace fastdp {
+namespace {
+
+// A step's rows are split over threads in chunks of at least this many gate values (a parallel region costs a
+// few microseconds; a [64, 512] LSTM step's gates take about 10).
+constexpr int64_t kChunkValues = 8192;
+
+template <class F>
+void for_rows(int64_t rows, int64_t values_per_row, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, kChunkValues / std::max<int64_t>(1, values_per_row));
+  at::parallel_for(0, rows, grain, f);
+}
+
+// (position s, index of the state before it, index of the state after it) of processing step k
+struct Step {
+  int64_t s, before, after;
+};
+
+Step step_at(int64_t k, int64_t t, bool reverse) {
+  if (reverse) {
+    const int64_t s = t - 1 - k;
+    return {s, s + 1, s};
+  }
+  return {k, k, k + 1};
+}
+
+template <typename T>
+const T* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+const bool* keep_at(const at::Tensor& mask, int64_t s) {
+  return mask.defined() ? mask.data_ptr<bool>() + s * mask.size(1) : nullptr;
+}
+
+// These loops run below autograd (their tensors are internal buffers; the caller is an autograd.Function):
+// the dispatcher then skips the autograd and view-tracking kernels of every mm.
+using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
+
+template <typename T>
+std::vector<at::Tensor> lstm_forward(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& c0,
+                                     const at::Tensor& w_hh, const at::Tensor& w_hr, const at::Tensor& mask,
+                                     bool reverse) {
+  const BelowAutograd guard;
+  const int64_t t = gx.size(0), b = gx.size(1), hidden = gx.size(2) / 4, out_size = h0.size(1);
+  const bool proj = w_hr.defined();
+  const auto options = gx.options();
+  at::Tensor states = at::empty({t + 1, b, out_size}, options), cs = at::empty({t + 1, b, hidden}, options);
+  at::Tensor acts = at::empty({t, b, 4 * hidden}, options), tanh_c = at::empty({t, b, hidden}, options);
+  at::Tensor ms = proj ? at::empty({t, b, hidden}, options) : at::Tensor();
+  const int64_t first = reverse ? t : 0;
+  states.select(0, first).copy_(h0);
+  cs.select(0, first).copy_(c0);
+  at::Tensor pre = at::empty({b, 4 * hidden}, options);
+  const at::Tensor w_t = w_hh.t(), w_hr_t = proj ? w_hr.t() : at::Tensor();
+  T* state = states.data_ptr<T>();
+  T* c = cs.data_ptr<T>();
+  for (int64_t k = 0; k < t; ++k) {
+    const Step st = step_at(k, t, reverse);
+    at::mm_out(pre, states.select(0, st.before), w_t);
+    const bool* keep = keep_at(mask, st.s);
+    const LstmForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0),
+                                  gx.stride(1),
+                                  pre.data_ptr<T>(),
+                                  c + st.before * b * hidden,
+                                  state + st.before * b * out_size,
+                                  keep,
+                                  acts.data_ptr<T>() + st.s * b * 4 * hidden,
+                                  c + st.after * b * hidden,
+                                  tanh_c.data_ptr<T>() + st.s * b * hidden,
+                                  proj ? ms.data_ptr<T>() + st.s * b * hidden : state + st.after * b * out_size,
+                                  !proj,
+                                  hidden};
+    for_rows(b, 6 * hidden, [&](int64_t begin, int64_t end) { lstm_forward_step(step, begin, end); });
+    if (proj) {
+      at::Tensor h_after = states.select(0, st.after);
+      at::mm_out(h_after, ms.select(0, st.s), w_hr_t);
+      if (keep != nullptr) {
+        for (int64_t row = 0; row < b; ++row) {
+          if (!keep[row]) {
+            std::memcpy(state + (st.after * b + row) * out_size, state + (st.before * b + row) * out_size,
+                        static_cast<size_t>(out_size) * sizeof(T));
+          }
+        }
+      }
+    }
+  }
+  return {states, cs, acts, tanh_c, ms};
+}
+
+template <typename T>
+std::vector<at::Tensor> lstm_backward(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& d_c,
+                                      const at::Tensor& acts, const at::Tensor& cs, const at::Tensor& tanh_c,
+                                      const at::Tensor& w_hh, const at::Tensor& w_hr, const at::Tensor& mask,
+                                      bool reverse) {
+  const BelowAutograd guard;
+  const int64_t t = acts.size(0), b = acts.size(1), hidden = acts.size(2) / 4, out_size = w_hh.size(1);
+  const bool proj = w_hr.defined();
+  const int64_t width = 4 * hidden + (proj ? out_size : 0);
+  const auto options = acts.options();
+  at::Tensor grad = at::empty({b, t, width}, options);  // batch-first: the carrier's layout
+  at::Tensor cur = at::empty({b, out_size}, options), next = at::empty({b, out_size}, options);
+  cur.copy_(d_h);
+  at::Tensor dc = at::empty({b, hidden}, options);
+  dc.copy_(d_c);
+  at::Tensor dm = proj ? at::empty({b, hidden}, options) : at::Tensor();
+  const T* d_out_data = ptr_or_null<T>(d_out);
+  for (int64_t k = t - 1; k >= 0; --k) {
+    const Step st = step_at(k, t, reverse);
+    const bool* keep = keep_at(mask, st.s);
+    const T* d_out_s = d_out_data == nullptr ? nullptr : d_out_data + st.s * d_out.stride(0);
+    const int64_t d_out_ld = d_out.defined() ? d_out.stride(1) : 0;
+    T* grad_s = grad.data_ptr<T>() + st.s * width;  // rows t * width apart
+    if (proj) {  // dL/dh_t is the projection's G; dL/dm_t = dL/dh_t W_hr
+      const MaskedSumRows<T> rows{cur.data_ptr<T>(), d_out_s, d_out_ld, keep, grad_s + 4 * hidden, t * width,
+                                  out_size};
+      for_rows(b, out_size, [&](int64_t begin, int64_t end) { masked_sum_rows(rows, begin, end); });
+      at::mm_out(dm, grad.select(1, st.s).narrow(1, 4 * hidden, out_size), w_hr);
+    }
+    const LstmBackwardStep<T> step{cur.data_ptr<T>(),
+                                   proj ? nullptr : d_out_s,
+                                   d_out_ld,
+                                   proj ? dm.data_ptr<T>() : nullptr,
+                                   dc.data_ptr<T>(),
+                                   acts.data_ptr<T>() + st.s * b * 4 * hidden,
+                                   cs.data_ptr<T>() + st.before * b * hidden,
+                                   tanh_c.data_ptr<T>() + st.s * b * hidden,
+                                   keep,
+                                   grad_s,
+                                   t * width,
+                                   keep == nullptr ? nullptr : next.data_ptr<T>(),
+                                   hidden,
+                                   out_size};
+    for_rows(b, 6 * hidden, [&](int64_t begin, int64_t end) { lstm_backward_step(step, begin, end); });
+    const at::Tensor dpre = grad.select(1, st.s).narrow(1, 0, 4 * hidden);
+    if (keep == nullptr) {
+      at::mm_out(next, dpre, w_hh);
+    } else {
+      next.addmm_(dpre, w_hh);  // onto the passed dL/dh of the masked rows (zero elsewhere)
+    }
+    std::swap(cur, next);
+  }
+  return {grad, cur, dc};
+}
+
+template <typename T>
+std::vector<at::Tensor> gru_forward(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& w_hh,
+                                    const at::Tensor& b_hh, const at::Tensor& mask, bool reverse) {
+  const BelowAutograd guard;
+  const int64_t t = gx.size(0), b = gx.size(1), hidden = gx.size(2) / 3;
+  const auto options = gx.options();
+  at::Tensor states = at::empty({t + 1, b, hidden}, options), rz = at::empty({t, b, 2 * hidden}, options);
+  at::Tensor ns = at::empty({t, b, hidden}, options), gh_n = at::empty({t, b, hidden}, options);
+  states.select(0, reverse ? t : 0).copy_(h0);
+  at::Tensor gh = at::empty({b, 3 * hidden}, options);
+  const at::Tensor w_t = w_hh.t();
+  T* state = states.data_ptr<T>();
+  for (int64_t k = 0; k < t; ++k) {
+    const Step st = step_at(k, t, reverse);
+    at::mm_out(gh, states.select(0, st.before), w_t);
+    const GruForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0),
+                                 gx.stride(1),
+                                 gh.data_ptr<T>(),
+                                 ptr_or_null<T>(b_hh),
+                                 state + st.before * b * hidden,
+                                 keep_at(mask, st.s),
+                                 rz.data_ptr<T>() + st.s * b * 2 * hidden,
+                                 ns.data_ptr<T>() + st.s * b * hidden,
+                                 gh_n.data_ptr<T>() + st.s * b * hidden,
+                                 state + st.after * b * hidden,
+                                 hidden};
+    for_rows(b, 5 * hidden, [&](int64_t begin, int64_t end) { gru_forward_step(step, begin, end); });
+  }
+  return {states, rz, ns, gh_n};
+}
+
+template <typename T>
+std::vector<at::Tensor> gru_backward(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& rz,
+                                     const at::Tensor& ns, const at::Tensor& gh_n, const at::Tensor& states,
+                                     const at::Tensor& w_hh, const at::Tensor& mask, bool reverse) {
+  const BelowAutograd guard;
+  const int64_t t = ns.size(0), b = ns.size(1), hidden = ns.size(2);
+  const auto options = ns.options();
+  at::Tensor grad = at::empty({b, t, 6 * hidden}, options);
+  at::Tensor cur = at::empty({b, hidden}, options), next = at::empty({b, hidden}, options);
+  cur.copy_(d_h);
+  const T* d_out_data = ptr_or_null<T>(d_out);
+  for (int64_t k = t - 1; k >= 0; --k) {
+    const Step st = step_at(k, t, reverse);
+    const GruBackwardStep<T> step{cur.data_ptr<T>(),
+                                  d_out_data == nullptr ? nullptr : d_out_data + st.s * d_out.stride(0),
+                                  d_out.defined() ? d_out.stride(1) : 0,
+                                  rz.data_ptr<T>() + st.s * b * 2 * hidden,
+                                  ns.data_ptr<T>() + st.s * b * hidden,
+                                  gh_n.data_ptr<T>() + st.s * b * hidden,
+                                  states.data_ptr<T>() + st.before * b * hidden,
+                                  keep_at(mask, st.s),
+                                  grad.data_ptr<T>() + st.s * 6 * hidden,
+                                  t * 6 * hidden,
+                                  next.data_ptr<T>(),
+                                  hidden};
+    for_rows(b, 8 * hidden, [&](int64_t begin, int64_t end) { gru_backward_step(step, begin, end); });
+    next.addmm_(grad.select(1, st.s).narrow(1, 3 * hidden, 3 * hidden), w_hh);
+    std::swap(cur, next);
+  }
+  return {grad, cur};
+}
+
+template <typename T>
+std::vector<at::Tensor> rnn_forward(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& w_hh, bool relu,
+                                    const at::Tensor& mask, bool reverse) {
+  const BelowAutograd guard;
+  const int64_t t = gx.size(0), b = gx.size(1), hidden = gx.size(2);
+  const auto options = gx.options();
+  at::Tensor states = at::empty({t + 1, b, hidden}, options);
+  states.select(0, reverse ? t : 0).copy_(h0);
+  at::Tensor pre = at::empty({b, hidden}, options);
+  const at::Tensor w_t = w_hh.t();
+  T* state = states.data_ptr<T>();
+  for (int64_t k = 0; k < t; ++k) {
+    const Step st = step_at(k, t, reverse);
+    at::mm_out(pre, states.select(0, st.before), w_t);
+    const RnnForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0),
+                                 gx.stride(1),
+                                 pre.data_ptr<T>(),
+                                 state + st.before * b * hidden,
+                                 keep_at(mask, st.s),
+                                 state + st.after * b * hidden,
+                                 relu,
+                                 hidden};
+    for_rows(b, 2 * hidden, [&](int64_t begin, int64_t end) { rnn_forward_step(step, begin, end); });
+  }
+  return {states};
+}
+
+template <typename T>
+std::vector<at::Tensor> rnn_backward(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& states,
+                                     const at::Tensor& w_hh, bool relu, const at::Tensor& mask, bool reverse) {
+  const BelowAutograd guard;
+  const int64_t t = states.size(0) - 1, b = states.size(1), hidden = states.size(2);
+  const auto options = states.options();
+  at::Tensor grad = at::empty({b, t, hidden}, options);
+  at::Tensor cur = at::empty({b, hidden}, options), next = at::empty({b, hidden}, options);
+  cur.copy_(d_h);
+  const T* d_out_data = ptr_or_null<T>(d_out);
+  for (int64_t k = t - 1; k >= 0; --k) {
+    const Step st = step_at(k, t, reverse);
+    const bool* keep = keep_at(mask, st.s);
+    const RnnBackwardStep<T> step{cur.data_ptr<T>(),
+                                  d_out_data == nullptr ? nullptr : d_out_data + st.s * d_out.stride(0),
+                                  d_out.defined() ? d_out.stride(1) : 0,
+                                  states.data_ptr<T>() + st.after * b * hidden,
+                                  keep,
+                                  grad.data_ptr<T>() + st.s * hidden,
+                                  t * hidden,
+                                  keep == nullptr ? nullptr : next.data_ptr<T>(),
+                                  relu,
+                                  hidden};
+    for_rows(b, 2 * hidden, [&](int64_t begin, int64_t end) { rnn_backward_step(step, begin, end); });
+    if (keep == nullptr) {
+      at::mm_out(next, grad.select(1, st.s), w_hh);
+    } else {
+      next.addmm_(grad.select(1, st.s), w_hh);
+    }
+    std::swap(cur, next);
+  }
+  return {grad, cur};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> lstm_forward_cpu(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& c0,
+                                         const at::Tensor& w_hh, const at::Tensor& w_hr, const at::Tensor& mask,
+                                         bool reverse) {
+  if (gx.scalar_type() == at::kDouble) return lstm_forward<double>(gx, h0, c0, w_hh, w_hr, mask, reverse);
+  return lstm_forward<float>(gx, h0, c0, w_hh, w_hr, mask, reverse);
+}
+
+std::vector<at::Tensor> lstm_backward_cpu(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& d_c,
+                                          const at::Tensor& acts, const at::Tensor& cs, const at::Tensor& tanh_c,
+                                          const at::Tensor& ms, const at::Tensor& w_hh, const at::Tensor& w_hr,
+                                          const at::Tensor& mask, bool reverse) {
+  (void)ms;  // the projection's A: saved for the norms, not needed here
+  if (acts.scalar_type() == at::kDouble) {
+    return lstm_backward<double>(d_out, d_h, d_c, acts, cs, tanh_c, w_hh, w_hr, mask, reverse);
+  }
+  return lstm_backward<float>(d_out, d_h, d_c, acts, cs, tanh_c, w_hh, w_hr, mask, reverse);
+}
+
+std::vector<at::Tensor> gru_forward_cpu(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& w_hh,
+                                        const at::Tensor& b_hh, const at::Tensor& mask, bool reverse) {
+  if (gx.scalar_type() == at::kDouble) return gru_forward<double>(gx, h0, w_hh, b_hh, mask, reverse);
+  return gru_forward<float>(gx, h0, w_hh, b_hh, mask, reverse);
+}
+
+std::vector<at::Tensor> gru_backward_cpu(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& rz,
+                                         const at::Tensor& ns, const at::Tensor& gh_n, const at::Tensor& states,
+                                         const at::Tensor& w_hh, const at::Tensor& mask, bool reverse) {
+  if (ns.scalar_type() == at::kDouble) return gru_backward<double>(d_out, d_h, rz, ns, gh_n, states, w_hh, mask, reverse);
+  return gru_backward<float>(d_out, d_h, rz, ns, gh_n, states, w_hh, mask, reverse);
+}
+
+std::vector<at::Tensor> rnn_forward_cpu(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& w_hh,
+                                        bool relu, const at::Tensor& mask, bool reverse) {
+  if (gx.scalar_type() == at::kDouble) return rnn_forward<double>(gx, h0, w_hh, relu, mask, reverse);
+  return rnn_forward<float>(gx, h0, w_hh, relu, mask, reverse);
+}
+
+std::vector<at::Tensor> rnn_backward_cpu(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& states,
+                                         const at::Tensor& w_hh, bool relu, const at::Tensor& mask, bool reverse) {
+  if (states.scalar_type() == at::kDouble) return rnn_backward<double>(d_out, d_h, states, w_hh, relu, mask, reverse);
+  return rnn_backward<float>(d_out, d_h, states, w_hh, relu, mask, reverse);
+}
+
+}  // namespace fastdp
