@@ -617,4 +617,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_recurrence_isa", &fastdp::set_recurrence_float_isa,
         "Run the recurrences' float gate kernels of this ISA (avx512, avx2, baseline; '' for the CPU's best); "
         "False if the CPU cannot", py::arg("name"));
+  m.def("recurrence_gemm", &fastdp::recurrence_gemm,
+        "Which GEMM the recurrences' float32 steps run: onednn (torch's mkldnn linear) or aten (at::mm)");
+  m.def("set_recurrence_gemm", &fastdp::set_recurrence_gemm,
+        "Run the recurrences' float32 step GEMMs with onednn or aten ('' for the default); False if unavailable",
+        py::arg("name"));
 }

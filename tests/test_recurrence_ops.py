@@ -1,9 +1,9 @@
 """fastdp._C's recurrence time loops (csrc/cpu/recurrence.cpp, recurrence_loop.cpp) against the torch loops of
 fastdp.nn.recurrent they replace: LSTM (with and without proj_size), GRU (with and without b_hh), tanh and relu RNN;
-forward and reverse directions; with and without a PackedSequence mask; float32 and float64; hidden sizes that are
-no multiple of the kernels' 16, 8 or 4 lanes; strided inputs (one direction's slice of both directions' input
-projections); every float ISA this CPU runs. Then the float gate math against float64 (sigmoid, tanh, relu; NaN and
-inf), the argument checks, and which path fastdp.nn's layers take."""
+forward and reverse directions; with and without a PackedSequence mask; float32 and float64; hidden sizes that are no
+multiple of the kernels' 16, 8 or 4 lanes; strided inputs (one direction's slice of both directions' input
+projections); every float ISA this CPU runs, and both step GEMMs (oneDNN's and at::mm). Then the float gate math
+against float64 (sigmoid, tanh, relu; NaN and inf), the argument checks, and which path fastdp.nn's layers take."""
 
 from __future__ import annotations
 
@@ -46,14 +46,17 @@ def isa(request):
     assert C.set_recurrence_isa("")
 
 
-@pytest.fixture(params=[(torch.float64, "")] + [(torch.float32, name) for name in ISAS],
-                ids=["float64"] + [f"float32-{name}" for name in ISAS])  # fmt: skip
+@pytest.fixture(params=[(torch.float64, "", "")] + [(torch.float32, name, "") for name in ISAS]
+                + [(torch.float32, "", "aten")],
+                ids=["float64"] + [f"float32-{name}" for name in ISAS] + ["float32-aten-gemm"])  # fmt: skip
 def dtype(request):
-    """float64 (one kernel: std::exp, std::tanh), or float32 with the kernels of one ISA."""
-    dtype, name = request.param
+    """float64 (one kernel: std::exp, std::tanh; at::mm), or float32 with the kernels of one ISA and the default
+    step GEMM (oneDNN's where torch has it), or with at::mm's."""
+    dtype, name, gemm = request.param
     _set_isa(name)
+    assert C.set_recurrence_gemm(gemm)
     yield dtype
-    assert C.set_recurrence_isa("")
+    assert C.set_recurrence_isa("") and C.set_recurrence_gemm("")
 
 
 def _inputs(mode, proj, bias, b, t, hsz, dtype, masked, strided, seed=0):
@@ -207,6 +210,13 @@ def test_argument_checks():
         C.gru_forward(torch.randn(2, 3, 6), h0, torch.randn(6, 2), None, torch.ones(2, 3), False)
     with pytest.raises(RuntimeError, match="gx must be"):
         C.lstm_forward(torch.randn(2, 3, 7), h0, c0, w, None, None, False)
+
+
+def test_float32_steps_run_onednn_where_torch_has_it():
+    """The default float32 step GEMM is oneDNN's (torch's mkldnn linear) where torch was built with oneDNN."""
+    assert C.recurrence_gemm() == ("onednn" if torch.backends.mkldnn.is_available() else "aten")
+    assert C.set_recurrence_gemm("aten") and C.recurrence_gemm() == "aten"
+    assert C.set_recurrence_gemm("") and not C.set_recurrence_gemm("bogus")
 
 
 def test_the_layers_run_the_extension_unless_the_torch_backend_is_chosen(restore_backend):

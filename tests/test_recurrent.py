@@ -140,6 +140,24 @@ def test_clipped_sums_equal_clipped_per_example_gradients(kind, config, loops):
         torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-13, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("config", ["2-layer-bidirectional-time-major-initial-state",
+                                    "2-layer-bidirectional-packed-initial-state"])  # fmt: skip
+@pytest.mark.parametrize("kind", KINDS)
+def test_float32_clipped_sums_of_the_extension_equal_the_torch_loops(kind, config, restore_backend):
+    """float32 (the extension's vectorised gates, oneDNN's step GEMMs and input projections where torch has them,
+    their input gradients between the layers) against the torch loops."""
+    if _extension(torch.zeros(1)) is None:
+        pytest.skip("fastdp._C with the recurrence kernels is not built")
+    model = convert(_model(kind, config).float())
+    batch = _data(dtype=torch.float32)
+    sums = {}
+    for backend in ("auto", "torch"):
+        fastdp.set_backend(backend)
+        sums[backend], _ = ghost_clipped_gradient_sum(model, loss_fn, batch, 0.05)
+    for s, e, (name, _) in zip(sums["auto"], sums["torch"], model.named_parameters(), strict=True):
+        torch.testing.assert_close(s, e, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("kind", ["lstm", "lstm-proj", "gru"])
 def test_frozen_weights_of_a_recurrent_layer_are_left_out(kind):
     model = _model(kind, "2-layer-bidirectional-time-major-initial-state")

@@ -150,14 +150,19 @@ FASTDP_INLINE typename L::V positive(typename L::V x) {
   }
 }
 
-// n <= W values at p (the rest of the block zero)
+// n <= W values at p (the rest of the block zero). A whole block is one fixed-size copy (a vector load or store);
+// only a row's last, partial block takes a copy of variable size (a library call).
 template <class L>
 FASTDP_INLINE typename L::V load(const typename L::T* p, int64_t n) {
   if constexpr (L::W == 1) {
     return *p;
   } else {
     typename L::V v{};
-    std::memcpy(&v, p, static_cast<size_t>(n) * sizeof(typename L::T));
+    if (n == L::W) {
+      std::memcpy(&v, p, sizeof v);
+    } else {
+      std::memcpy(&v, p, static_cast<size_t>(n) * sizeof(typename L::T));
+    }
     return v;
   }
 }
@@ -166,6 +171,8 @@ template <class L>
 FASTDP_INLINE void store(typename L::T* p, typename L::V v, int64_t n) {
   if constexpr (L::W == 1) {
     *p = v;
+  } else if (n == L::W) {
+    std::memcpy(p, &v, sizeof v);
   } else {
     std::memcpy(p, &v, static_cast<size_t>(n) * sizeof(typename L::T));
   }

@@ -1,15 +1,19 @@
 // Time loops of the recurrent layers on CPU (cpu/recurrence_loop.h): the Python loops of fastdp/nn/recurrent.py
 // cost about 10 small kernels of a few microseconds of dispatch each per step, as much as the step's GEMM at
-// B 64, H 128; here a step is one at::mm_out and one gate kernel (cpu/recurrence.h) whose rows are split over the
-// threads when there are enough of them.
+// B 64, H 128; here a step is one GEMM (StepGemm) and one gate kernel (cpu/recurrence.h) whose rows are split over
+// the threads when there are enough of them.
 #include "cpu/recurrence_loop.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "cpu/recurrence.h"
@@ -26,6 +30,82 @@ void for_rows(int64_t rows, int64_t values_per_row, const F& f) {
   const int64_t grain = std::max<int64_t>(1, kChunkValues / std::max<int64_t>(1, values_per_row));
   at::parallel_for(0, rows, grain, f);
 }
+
+// ------------------------------------------------------------------------------------------------- GEMMs
+//
+// A step's GEMM y [B, N] = x [B, K] rhs [K, N] (rhs: W_hh^T, W_hr^T forward; W_hh, W_hr backward). float32 runs
+// oneDNN's linear where torch was built with it (the mkldnn::_linear_pointwise op, its weight packed once per
+// sequence by mkldnn::_reorder_linear_weight): its AVX-512 kernels take 41 us for the LSTM step at B 64, H 128 on
+// the benchmark's CPU, at::mm (MKL) 77 us. float64, and float32 without oneDNN, run at::mm.
+
+std::atomic<bool> onednn_chosen{true};  // set_recurrence_gemm: "onednn" (where available) or "aten"
+
+const std::optional<c10::OperatorHandle>& onednn_op(int which) {
+  static const std::optional<c10::OperatorHandle> ops[3] = {
+      c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""}),
+      c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", "binary"}),
+      c10::Dispatcher::singleton().findOp({"mkldnn::_reorder_linear_weight", ""}),
+  };
+  return ops[which];
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
+  torch::jit::Stack stack{x, w, c10::IValue(), "none", c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  onednn_op(0)->callBoxed(stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor onednn_linear_add(const at::Tensor& x, const at::Tensor& other, const at::Tensor& w) {
+  torch::jit::Stack stack{x, other, w, c10::IValue(), "add"};
+  onednn_op(1)->callBoxed(stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor onednn_pack(const at::Tensor& w, int64_t batch) {
+  torch::jit::Stack stack{w, batch};
+  onednn_op(2)->callBoxed(stack);
+  return stack[0].toTensor();
+}
+
+// Whether oneDNN's linear runs here: the ops exist and give x w^T on a probe (once per process).
+bool onednn_works() {
+  static const bool works = [] {
+    if (!onednn_op(0) || !onednn_op(1) || !onednn_op(2)) return false;
+    try {
+      const at::Tensor x = at::arange(6, at::kFloat).reshape({2, 3}), w = at::arange(12, at::kFloat).reshape({4, 3});
+      const at::Tensor expected = at::mm(x, w.t());
+      return at::equal(onednn_linear(x, onednn_pack(w, 2)), expected) &&
+             at::equal(onednn_linear_add(x, expected, w), expected * 2);
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return works;
+}
+
+struct StepGemm {
+  at::Tensor rhs;     // [K, N]
+  at::Tensor packed;  // oneDNN's weight (rhs^T packed), or undefined: at::mm
+
+  StepGemm(const at::Tensor& rhs_, int64_t batch) : rhs(rhs_) {
+    if (rhs.scalar_type() == at::kFloat && onednn_chosen.load(std::memory_order_relaxed) && onednn_works()) {
+      packed = onednn_pack(rhs.t().contiguous(), batch);
+    }
+  }
+
+  // x rhs: into `out` (at::mm) or a new tensor (oneDNN); the result is returned
+  at::Tensor operator()(const at::Tensor& x, at::Tensor& out) const {
+    if (packed.defined()) return onednn_linear(x, packed);
+    at::mm_out(out, x, rhs);
+    return out;
+  }
+
+  // acc + x rhs: in place (at::mm) or a new tensor (oneDNN)
+  at::Tensor add(const at::Tensor& x, at::Tensor& acc) const {
+    if (packed.defined()) return onednn_linear_add(x, acc, packed);
+    return acc.addmm_(x, rhs);
+  }
+};
 
 // (position s, index of the state before it, index of the state after it) of processing step k
 struct Step {
@@ -49,8 +129,18 @@ const bool* keep_at(const at::Tensor& mask, int64_t s) {
   return mask.defined() ? mask.data_ptr<bool>() + s * mask.size(1) : nullptr;
 }
 
+// The backward's dL/dh_{t-1} = result of this step's GEMM: the next step reads it as `cur`; `next` stays a buffer
+// the GEMM (at::mm) or the kernel (the passed rows, onto which the GEMM adds) can write without touching cur.
+void advance(at::Tensor& cur, at::Tensor& next, const at::Tensor& result) {
+  if (result.is_same(next)) {
+    std::swap(cur, next);
+  } else {
+    cur = result;
+  }
+}
+
 // These loops run below autograd (their tensors are internal buffers; the caller is an autograd.Function):
-// the dispatcher then skips the autograd and view-tracking kernels of every mm.
+// the dispatcher then skips the autograd and view-tracking kernels of every op.
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
 
 template <typename T>
@@ -67,17 +157,18 @@ std::vector<at::Tensor> lstm_forward(const at::Tensor& gx, const at::Tensor& h0,
   const int64_t first = reverse ? t : 0;
   states.select(0, first).copy_(h0);
   cs.select(0, first).copy_(c0);
-  at::Tensor pre = at::empty({b, 4 * hidden}, options);
-  const at::Tensor w_t = w_hh.t(), w_hr_t = proj ? w_hr.t() : at::Tensor();
+  at::Tensor pre = at::empty({b, 4 * hidden}, options);  // the GEMM's output where at::mm runs it
+  const StepGemm gemm(w_hh.t(), b);
+  const std::optional<StepGemm> gemm_hr = proj ? std::optional<StepGemm>(StepGemm(w_hr.t(), b)) : std::nullopt;
   T* state = states.data_ptr<T>();
   T* c = cs.data_ptr<T>();
   for (int64_t k = 0; k < t; ++k) {
     const Step st = step_at(k, t, reverse);
-    at::mm_out(pre, states.select(0, st.before), w_t);
+    const at::Tensor gates_h = gemm(states.select(0, st.before), pre);
     const bool* keep = keep_at(mask, st.s);
     const LstmForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0),
                                   gx.stride(1),
-                                  pre.data_ptr<T>(),
+                                  gates_h.data_ptr<T>(),
                                   c + st.before * b * hidden,
                                   state + st.before * b * out_size,
                                   keep,
@@ -90,7 +181,8 @@ std::vector<at::Tensor> lstm_forward(const at::Tensor& gx, const at::Tensor& h0,
     for_rows(b, 6 * hidden, [&](int64_t begin, int64_t end) { lstm_forward_step(step, begin, end); });
     if (proj) {
       at::Tensor h_after = states.select(0, st.after);
-      at::mm_out(h_after, ms.select(0, st.s), w_hr_t);
+      const at::Tensor projected = (*gemm_hr)(ms.select(0, st.s), h_after);
+      if (!projected.is_same(h_after)) h_after.copy_(projected);
       if (keep != nullptr) {
         for (int64_t row = 0; row < b; ++row) {
           if (!keep[row]) {
@@ -119,7 +211,9 @@ std::vector<at::Tensor> lstm_backward(const at::Tensor& d_out, const at::Tensor&
   cur.copy_(d_h);
   at::Tensor dc = at::empty({b, hidden}, options);
   dc.copy_(d_c);
-  at::Tensor dm = proj ? at::empty({b, hidden}, options) : at::Tensor();
+  at::Tensor dm_buffer = proj ? at::empty({b, hidden}, options) : at::Tensor(), dm;
+  const StepGemm gemm(w_hh, b);
+  const std::optional<StepGemm> gemm_hr = proj ? std::optional<StepGemm>(StepGemm(w_hr, b)) : std::nullopt;
   const T* d_out_data = ptr_or_null<T>(d_out);
   for (int64_t k = t - 1; k >= 0; --k) {
     const Step st = step_at(k, t, reverse);
@@ -131,7 +225,7 @@ std::vector<at::Tensor> lstm_backward(const at::Tensor& d_out, const at::Tensor&
       const MaskedSumRows<T> rows{cur.data_ptr<T>(), d_out_s, d_out_ld, keep, grad_s + 4 * hidden, t * width,
                                   out_size};
       for_rows(b, out_size, [&](int64_t begin, int64_t end) { masked_sum_rows(rows, begin, end); });
-      at::mm_out(dm, grad.select(1, st.s).narrow(1, 4 * hidden, out_size), w_hr);
+      dm = (*gemm_hr)(grad.select(1, st.s).narrow(1, 4 * hidden, out_size), dm_buffer);
     }
     const LstmBackwardStep<T> step{cur.data_ptr<T>(),
                                    proj ? nullptr : d_out_s,
@@ -149,12 +243,8 @@ std::vector<at::Tensor> lstm_backward(const at::Tensor& d_out, const at::Tensor&
                                    out_size};
     for_rows(b, 6 * hidden, [&](int64_t begin, int64_t end) { lstm_backward_step(step, begin, end); });
     const at::Tensor dpre = grad.select(1, st.s).narrow(1, 0, 4 * hidden);
-    if (keep == nullptr) {
-      at::mm_out(next, dpre, w_hh);
-    } else {
-      next.addmm_(dpre, w_hh);  // onto the passed dL/dh of the masked rows (zero elsewhere)
-    }
-    std::swap(cur, next);
+    // masked: onto the passed dL/dh of the masked rows (zero elsewhere)
+    advance(cur, next, keep == nullptr ? gemm(dpre, next) : gemm.add(dpre, next));
   }
   return {grad, cur, dc};
 }
@@ -168,12 +258,12 @@ std::vector<at::Tensor> gru_forward(const at::Tensor& gx, const at::Tensor& h0, 
   at::Tensor states = at::empty({t + 1, b, hidden}, options), rz = at::empty({t, b, 2 * hidden}, options);
   at::Tensor ns = at::empty({t, b, hidden}, options), gh_n = at::empty({t, b, hidden}, options);
   states.select(0, reverse ? t : 0).copy_(h0);
-  at::Tensor gh = at::empty({b, 3 * hidden}, options);
-  const at::Tensor w_t = w_hh.t();
+  at::Tensor gh_buffer = at::empty({b, 3 * hidden}, options);
+  const StepGemm gemm(w_hh.t(), b);
   T* state = states.data_ptr<T>();
   for (int64_t k = 0; k < t; ++k) {
     const Step st = step_at(k, t, reverse);
-    at::mm_out(gh, states.select(0, st.before), w_t);
+    const at::Tensor gh = gemm(states.select(0, st.before), gh_buffer);
     const GruForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0),
                                  gx.stride(1),
                                  gh.data_ptr<T>(),
@@ -200,6 +290,7 @@ std::vector<at::Tensor> gru_backward(const at::Tensor& d_out, const at::Tensor& 
   at::Tensor grad = at::empty({b, t, 6 * hidden}, options);
   at::Tensor cur = at::empty({b, hidden}, options), next = at::empty({b, hidden}, options);
   cur.copy_(d_h);
+  const StepGemm gemm(w_hh, b);
   const T* d_out_data = ptr_or_null<T>(d_out);
   for (int64_t k = t - 1; k >= 0; --k) {
     const Step st = step_at(k, t, reverse);
@@ -216,8 +307,7 @@ std::vector<at::Tensor> gru_backward(const at::Tensor& d_out, const at::Tensor& 
                                   next.data_ptr<T>(),
                                   hidden};
     for_rows(b, 8 * hidden, [&](int64_t begin, int64_t end) { gru_backward_step(step, begin, end); });
-    next.addmm_(grad.select(1, st.s).narrow(1, 3 * hidden, 3 * hidden), w_hh);
-    std::swap(cur, next);
+    advance(cur, next, gemm.add(grad.select(1, st.s).narrow(1, 3 * hidden, 3 * hidden), next));
   }
   return {grad, cur};
 }
@@ -230,12 +320,12 @@ std::vector<at::Tensor> rnn_forward(const at::Tensor& gx, const at::Tensor& h0, 
   const auto options = gx.options();
   at::Tensor states = at::empty({t + 1, b, hidden}, options);
   states.select(0, reverse ? t : 0).copy_(h0);
-  at::Tensor pre = at::empty({b, hidden}, options);
-  const at::Tensor w_t = w_hh.t();
+  at::Tensor pre_buffer = at::empty({b, hidden}, options);
+  const StepGemm gemm(w_hh.t(), b);
   T* state = states.data_ptr<T>();
   for (int64_t k = 0; k < t; ++k) {
     const Step st = step_at(k, t, reverse);
-    at::mm_out(pre, states.select(0, st.before), w_t);
+    const at::Tensor pre = gemm(states.select(0, st.before), pre_buffer);
     const RnnForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0),
                                  gx.stride(1),
                                  pre.data_ptr<T>(),
@@ -258,6 +348,7 @@ std::vector<at::Tensor> rnn_backward(const at::Tensor& d_out, const at::Tensor& 
   at::Tensor grad = at::empty({b, t, hidden}, options);
   at::Tensor cur = at::empty({b, hidden}, options), next = at::empty({b, hidden}, options);
   cur.copy_(d_h);
+  const StepGemm gemm(w_hh, b);
   const T* d_out_data = ptr_or_null<T>(d_out);
   for (int64_t k = t - 1; k >= 0; --k) {
     const Step st = step_at(k, t, reverse);
@@ -273,17 +364,27 @@ std::vector<at::Tensor> rnn_backward(const at::Tensor& d_out, const at::Tensor& 
                                   relu,
                                   hidden};
     for_rows(b, 2 * hidden, [&](int64_t begin, int64_t end) { rnn_backward_step(step, begin, end); });
-    if (keep == nullptr) {
-      at::mm_out(next, grad.select(1, st.s), w_hh);
-    } else {
-      next.addmm_(grad.select(1, st.s), w_hh);
-    }
-    std::swap(cur, next);
+    const at::Tensor grad_s = grad.select(1, st.s);
+    advance(cur, next, keep == nullptr ? gemm(grad_s, next) : gemm.add(grad_s, next));
   }
   return {grad, cur};
 }
 
 }  // namespace
+
+const char* recurrence_gemm() { return onednn_chosen.load() && onednn_works() ? "onednn" : "aten"; }
+
+bool set_recurrence_gemm(const std::string& name) {
+  if (name == "aten" || name.empty()) {
+    onednn_chosen.store(name.empty());
+    return true;
+  }
+  if (name == "onednn" && onednn_works()) {
+    onednn_chosen.store(true);
+    return true;
+  }
+  return false;
+}
 
 std::vector<at::Tensor> lstm_forward_cpu(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& c0,
                                          const at::Tensor& w_hh, const at::Tensor& w_hr, const at::Tensor& mask,

@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 namespace fastdp {
@@ -45,5 +46,11 @@ std::vector<at::Tensor> rnn_forward_cpu(const at::Tensor& gx, const at::Tensor& 
 // {grad [B, T, H] (batch-first), d_h0 [B, H]}
 std::vector<at::Tensor> rnn_backward_cpu(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& states,
                                          const at::Tensor& w_hh, bool relu, const at::Tensor& mask, bool reverse);
+
+// Which GEMM the float32 loops run: "onednn" (torch's mkldnn::_linear_pointwise, where torch has it and it passes
+// a probe) or "aten" (at::mm). set_recurrence_gemm("aten") forces at::mm, "onednn" restores it where it works
+// (false where it does not), "" restores the default (tests run both).
+const char* recurrence_gemm();
+bool set_recurrence_gemm(const std::string& name);
 
 }  // namespace fastdp
