@@ -36,7 +36,8 @@ void for_rows(int64_t rows, int64_t values_per_row, const F& f) {
 // A step's GEMM y [B, N] = x [B, K] rhs [K, N] (rhs: W_hh^T, W_hr^T forward; W_hh, W_hr backward). float32 runs
 // oneDNN's linear where torch was built with it (the mkldnn::_linear_pointwise op, its weight packed once per
 // sequence by mkldnn::_reorder_linear_weight): its AVX-512 kernels take 41 us for the LSTM step at B 64, H 128 on
-// the benchmark's CPU, at::mm (MKL) 77 us. float64, and float32 without oneDNN, run at::mm.
+// the benchmark's CPU, at::mm (MKL) 77 us. float64, float32 without oneDNN and with torch.backends.mkldnn.enabled
+// False run at::mm.
 
 std::atomic<bool> onednn_chosen{true};  // set_recurrence_gemm: "onednn" (where available) or "aten"
 
@@ -83,12 +84,18 @@ bool onednn_works() {
   return works;
 }
 
+// oneDNN for this run's float32 steps: chosen (set_recurrence_gemm), working, and not switched off by the user
+// (torch.backends.mkldnn.enabled = False)
+bool onednn_runs() {
+  return onednn_chosen.load(std::memory_order_relaxed) && at::globalContext().userEnabledMkldnn() && onednn_works();
+}
+
 struct StepGemm {
   at::Tensor rhs;     // [K, N]
   at::Tensor packed;  // oneDNN's weight (rhs^T packed), or undefined: at::mm
 
   StepGemm(const at::Tensor& rhs_, int64_t batch) : rhs(rhs_) {
-    if (rhs.scalar_type() == at::kFloat && onednn_chosen.load(std::memory_order_relaxed) && onednn_works()) {
+    if (rhs.scalar_type() == at::kFloat && onednn_runs()) {
       packed = onednn_pack(rhs.t().contiguous(), batch);
     }
   }
@@ -372,7 +379,7 @@ std::vector<at::Tensor> rnn_backward(const at::Tensor& d_out, const at::Tensor& 
 
 }  // namespace
 
-const char* recurrence_gemm() { return onednn_chosen.load() && onednn_works() ? "onednn" : "aten"; }
+const char* recurrence_gemm() { return onednn_runs() ? "onednn" : "aten"; }
 
 bool set_recurrence_gemm(const std::string& name) {
   if (name == "aten" || name.empty()) {

@@ -47,8 +47,8 @@ std::vector<at::Tensor> rnn_forward_cpu(const at::Tensor& gx, const at::Tensor& 
 std::vector<at::Tensor> rnn_backward_cpu(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& states,
                                          const at::Tensor& w_hh, bool relu, const at::Tensor& mask, bool reverse);
 
-// Which GEMM the float32 loops run: "onednn" (torch's mkldnn::_linear_pointwise, where torch has it and it passes
-// a probe) or "aten" (at::mm). set_recurrence_gemm("aten") forces at::mm, "onednn" restores it where it works
+// Which GEMM the float32 loops run: "onednn" (torch's mkldnn::_linear_pointwise, where torch has it, it passes a
+// probe and torch.backends.mkldnn.enabled is True) or "aten" (at::mm). set_recurrence_gemm("aten") forces at::mm, "onednn" restores it where it works
 // (false where it does not), "" restores the default (tests run both).
 const char* recurrence_gemm();
 bool set_recurrence_gemm(const std::string& name);
