@@ -34,18 +34,17 @@ void for_rows(int64_t rows, int64_t values_per_row, const F& f) {
 // ------------------------------------------------------------------------------------------------- GEMMs
 //
 // A step's GEMM y [B, N] = x [B, K] rhs [K, N] (rhs: W_hh^T, W_hr^T forward; W_hh, W_hr backward). float32 runs
-// oneDNN's linear where torch was built with it (the mkldnn::_linear_pointwise op, its weight packed once per
-// sequence by mkldnn::_reorder_linear_weight): its AVX-512 kernels take 41 us for the LSTM step at B 64, H 128 on
-// the benchmark's CPU, at::mm (MKL) 77 us. float64, float32 without oneDNN and with torch.backends.mkldnn.enabled
+// oneDNN's linear where torch was built with it (the mkldnn::_linear_pointwise op on the weight rhs^T [N, K]): its
+// AVX-512 kernels take 45 us for the LSTM step at B 64, H 128 on the benchmark's CPU, at::mm (MKL) 77 us. (Packing
+// the weight first, mkldnn::_reorder_linear_weight, saves 4 us a step and costs 190 us a sequence.) float64, float32 without oneDNN and with torch.backends.mkldnn.enabled
 // False run at::mm.
 
 std::atomic<bool> onednn_chosen{true};  // set_recurrence_gemm: "onednn" (where available) or "aten"
 
 const std::optional<c10::OperatorHandle>& onednn_op(int which) {
-  static const std::optional<c10::OperatorHandle> ops[3] = {
+  static const std::optional<c10::OperatorHandle> ops[2] = {
       c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""}),
       c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", "binary"}),
-      c10::Dispatcher::singleton().findOp({"mkldnn::_reorder_linear_weight", ""}),
   };
   return ops[which];
 }
@@ -62,20 +61,14 @@ at::Tensor onednn_linear_add(const at::Tensor& x, const at::Tensor& other, const
   return stack[0].toTensor();
 }
 
-at::Tensor onednn_pack(const at::Tensor& w, int64_t batch) {
-  torch::jit::Stack stack{w, batch};
-  onednn_op(2)->callBoxed(stack);
-  return stack[0].toTensor();
-}
-
 // Whether oneDNN's linear runs here: the ops exist and give x w^T on a probe (once per process).
 bool onednn_works() {
   static const bool works = [] {
-    if (!onednn_op(0) || !onednn_op(1) || !onednn_op(2)) return false;
+    if (!onednn_op(0) || !onednn_op(1)) return false;
     try {
       const at::Tensor x = at::arange(6, at::kFloat).reshape({2, 3}), w = at::arange(12, at::kFloat).reshape({4, 3});
       const at::Tensor expected = at::mm(x, w.t());
-      return at::equal(onednn_linear(x, onednn_pack(w, 2)), expected) &&
+      return at::equal(onednn_linear(x, w), expected) &&
              at::equal(onednn_linear_add(x, expected, w), expected * 2);
     } catch (const std::exception&) {
       return false;
@@ -92,24 +85,22 @@ bool onednn_runs() {
 
 struct StepGemm {
   at::Tensor rhs;     // [K, N]
-  at::Tensor packed;  // oneDNN's weight (rhs^T packed), or undefined: at::mm
+  at::Tensor weight;  // oneDNN's weight rhs^T [N, K] contiguous, or undefined: at::mm
 
-  StepGemm(const at::Tensor& rhs_, int64_t batch) : rhs(rhs_) {
-    if (rhs.scalar_type() == at::kFloat && onednn_runs()) {
-      packed = onednn_pack(rhs.t().contiguous(), batch);
-    }
+  explicit StepGemm(const at::Tensor& rhs_) : rhs(rhs_) {
+    if (rhs.scalar_type() == at::kFloat && onednn_runs()) weight = rhs.t().contiguous();
   }
 
   // x rhs: into `out` (at::mm) or a new tensor (oneDNN); the result is returned
   at::Tensor operator()(const at::Tensor& x, at::Tensor& out) const {
-    if (packed.defined()) return onednn_linear(x, packed);
+    if (weight.defined()) return onednn_linear(x, weight);
     at::mm_out(out, x, rhs);
     return out;
   }
 
   // acc + x rhs: in place (at::mm) or a new tensor (oneDNN)
   at::Tensor add(const at::Tensor& x, at::Tensor& acc) const {
-    if (packed.defined()) return onednn_linear_add(x, acc, packed);
+    if (weight.defined()) return onednn_linear_add(x, acc, weight);
     return acc.addmm_(x, rhs);
   }
 };
@@ -165,8 +156,8 @@ std::vector<at::Tensor> lstm_forward(const at::Tensor& gx, const at::Tensor& h0,
   states.select(0, first).copy_(h0);
   cs.select(0, first).copy_(c0);
   at::Tensor pre = at::empty({b, 4 * hidden}, options);  // the GEMM's output where at::mm runs it
-  const StepGemm gemm(w_hh.t(), b);
-  const std::optional<StepGemm> gemm_hr = proj ? std::optional<StepGemm>(StepGemm(w_hr.t(), b)) : std::nullopt;
+  const StepGemm gemm(w_hh.t());
+  const std::optional<StepGemm> gemm_hr = proj ? std::optional<StepGemm>(StepGemm(w_hr.t())) : std::nullopt;
   T* state = states.data_ptr<T>();
   T* c = cs.data_ptr<T>();
   for (int64_t k = 0; k < t; ++k) {
@@ -219,8 +210,8 @@ std::vector<at::Tensor> lstm_backward(const at::Tensor& d_out, const at::Tensor&
   at::Tensor dc = at::empty({b, hidden}, options);
   dc.copy_(d_c);
   at::Tensor dm_buffer = proj ? at::empty({b, hidden}, options) : at::Tensor(), dm;
-  const StepGemm gemm(w_hh, b);
-  const std::optional<StepGemm> gemm_hr = proj ? std::optional<StepGemm>(StepGemm(w_hr, b)) : std::nullopt;
+  const StepGemm gemm(w_hh);
+  const std::optional<StepGemm> gemm_hr = proj ? std::optional<StepGemm>(StepGemm(w_hr)) : std::nullopt;
   const T* d_out_data = ptr_or_null<T>(d_out);
   for (int64_t k = t - 1; k >= 0; --k) {
     const Step st = step_at(k, t, reverse);
@@ -266,7 +257,7 @@ std::vector<at::Tensor> gru_forward(const at::Tensor& gx, const at::Tensor& h0, 
   at::Tensor ns = at::empty({t, b, hidden}, options), gh_n = at::empty({t, b, hidden}, options);
   states.select(0, reverse ? t : 0).copy_(h0);
   at::Tensor gh_buffer = at::empty({b, 3 * hidden}, options);
-  const StepGemm gemm(w_hh.t(), b);
+  const StepGemm gemm(w_hh.t());
   T* state = states.data_ptr<T>();
   for (int64_t k = 0; k < t; ++k) {
     const Step st = step_at(k, t, reverse);
@@ -297,7 +288,7 @@ std::vector<at::Tensor> gru_backward(const at::Tensor& d_out, const at::Tensor& 
   at::Tensor grad = at::empty({b, t, 6 * hidden}, options);
   at::Tensor cur = at::empty({b, hidden}, options), next = at::empty({b, hidden}, options);
   cur.copy_(d_h);
-  const StepGemm gemm(w_hh, b);
+  const StepGemm gemm(w_hh);
   const T* d_out_data = ptr_or_null<T>(d_out);
   for (int64_t k = t - 1; k >= 0; --k) {
     const Step st = step_at(k, t, reverse);
@@ -328,7 +319,7 @@ std::vector<at::Tensor> rnn_forward(const at::Tensor& gx, const at::Tensor& h0, 
   at::Tensor states = at::empty({t + 1, b, hidden}, options);
   states.select(0, reverse ? t : 0).copy_(h0);
   at::Tensor pre_buffer = at::empty({b, hidden}, options);
-  const StepGemm gemm(w_hh.t(), b);
+  const StepGemm gemm(w_hh.t());
   T* state = states.data_ptr<T>();
   for (int64_t k = 0; k < t; ++k) {
     const Step st = step_at(k, t, reverse);
@@ -355,7 +346,7 @@ std::vector<at::Tensor> rnn_backward(const at::Tensor& d_out, const at::Tensor& 
   at::Tensor grad = at::empty({b, t, hidden}, options);
   at::Tensor cur = at::empty({b, hidden}, options), next = at::empty({b, hidden}, options);
   cur.copy_(d_h);
-  const StepGemm gemm(w_hh, b);
+  const StepGemm gemm(w_hh);
   const T* d_out_data = ptr_or_null<T>(d_out);
   for (int64_t k = t - 1; k >= 0; --k) {
     const Step st = step_at(k, t, reverse);
