@@ -371,6 +371,22 @@ def test_bf16_autocast_trains_with_the_recurrence_in_the_parameters_dtype():
     assert record.dtype == torch.float32 and all(a.dtype == torch.float32 for a in record.saved)
 
 
+def test_an_extension_without_the_recurrence_kernels_runs_the_torch_loops_once_warned(monkeypatch, restore_backend):
+    import fastdp.nn.recurrent as recurrent
+
+    class Stale:  # fastdp._C built before the recurrence kernels
+        pass
+
+    monkeypatch.setattr(recurrent._ext, "_C", Stale())
+    monkeypatch.setattr(recurrent, "_STALE_EXTENSION_WARNED", False)
+    monkeypatch.setattr(recurrent._backend, "available", lambda backend, device: (True, "stale build"))
+    fastdp.set_backend("cuda")
+    with pytest.warns(RuntimeWarning, match="built without the recurrence kernels") as caught:
+        assert _extension(torch.zeros(1)) is None
+        assert _extension(torch.zeros(1)) is None
+    assert len(caught) == 1
+
+
 def test_refusals():
     model = convert(nn.LSTM(3, 4))
     with GhostClipping(), pytest.raises(ValueError, match="a DP step needs a batch of sequences"):
