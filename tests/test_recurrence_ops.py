@@ -138,6 +138,27 @@ def test_time_loops_equal_the_torch_loops(mode, proj, bias, reverse, masked, str
             torch.testing.assert_close(got, expected, **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.fixture
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize(("masked", "reverse"), [(False, False), (True, True)], ids=["plain", "masked-reverse"])
+@pytest.mark.parametrize(("mode", "proj", "bias"), CELLS, ids=lambda v: str(v))
+def test_steps_split_over_threads_by_rows(mode, proj, bias, masked, reverse, dtype, two_threads):
+    """B 37 on two threads: each runs whole steps (GEMM and gates) on its own rows, 19 and 18 of them."""
+    args = _inputs(mode, proj, bias, 37, 4, 9, dtype, masked, strided=True)
+    expected_fwd, expected_bwd, kept = _torch_loops(mode, reverse, *args)
+    got_fwd, got_bwd = _extension(mode, reverse, *args, kept)
+    for got, expected in zip(got_fwd + got_bwd, expected_fwd + expected_bwd, strict=True):
+        if expected is not None:
+            torch.testing.assert_close(got, expected, **TOL[dtype])
+
+
 @pytest.mark.parametrize("mode", ["LSTM", "GRU", "RNN_TANH"])
 def test_no_output_gradient_and_a_transposed_one(mode):
     """d_out None (only the last state is used) and a d_out whose last stride is not 1 (copied by the binding)."""

@@ -1,7 +1,8 @@
 // Time loops of the recurrent layers on CPU (cpu/recurrence_loop.h): the Python loops of fastdp/nn/recurrent.py
 // cost about 10 small kernels of a few microseconds of dispatch each per step, as much as the step's GEMM at
-// B 64, H 128; here a step is one GEMM (StepGemm) and one gate kernel (cpu/recurrence.h) whose rows are split over
-// the threads when there are enough of them.
+// B 64, H 128; here a step is one GEMM (StepGemm) and one gate kernel (cpu/recurrence.h). With several threads
+// each runs whole steps on its own rows of the batch (the examples are independent): one parallel region per
+// step, in which the GEMMs run on one thread each (nested parallelism is serial in ATen, MKL and oneDNN).
 #include "cpu/recurrence_loop.h"
 
 #include <ATen/ATen.h>
@@ -20,16 +21,6 @@
 
 namespace fastdp {
 namespace {
-
-// A step's rows are split over threads in chunks of at least this many gate values (a parallel region costs a
-// few microseconds; a [64, 512] LSTM step's gates take about 10).
-constexpr int64_t kChunkValues = 8192;
-
-template <class F>
-void for_rows(int64_t rows, int64_t values_per_row, const F& f) {
-  const int64_t grain = std::max<int64_t>(1, kChunkValues / std::max<int64_t>(1, values_per_row));
-  at::parallel_for(0, rows, grain, f);
-}
 
 // ------------------------------------------------------------------------------------------------- GEMMs
 //
@@ -118,28 +109,31 @@ Step step_at(int64_t k, int64_t t, bool reverse) {
   return {k, k, k + 1};
 }
 
-template <typename T>
-const T* ptr_or_null(const at::Tensor& t) {
-  return t.defined() ? t.data_ptr<T>() : nullptr;
-}
-
-const bool* keep_at(const at::Tensor& mask, int64_t s) {
-  return mask.defined() ? mask.data_ptr<bool>() + s * mask.size(1) : nullptr;
-}
-
-// The backward's dL/dh_{t-1} = result of this step's GEMM: the next step reads it as `cur`; `next` stays a buffer
-// the GEMM (at::mm) or the kernel (the passed rows, onto which the GEMM adds) can write without touching cur.
-void advance(at::Tensor& cur, at::Tensor& next, const at::Tensor& result) {
-  if (result.is_same(next)) {
-    std::swap(cur, next);
-  } else {
-    cur = result;
-  }
+const bool* keep_rows(const at::Tensor& mask, int64_t s, int64_t b0) {
+  return mask.defined() ? mask.data_ptr<bool>() + s * mask.size(1) + b0 : nullptr;
 }
 
 // These loops run below autograd (their tensors are internal buffers; the caller is an autograd.Function):
 // the dispatcher then skips the autograd and view-tracking kernels of every op.
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
+
+// At least this many rows per thread: a step of B 64, H 128 splits in two halves (a parallel region costs a few
+// microseconds, a half step's GEMM and gates about 25).
+constexpr int64_t kMinRows = 16;
+
+// f(b0, b1) for chunks of the batch's rows, one per thread (the dispatch guard is thread-local: set in each)
+template <class F>
+void for_batch(int64_t rows, const F& f) {
+  at::parallel_for(0, rows, kMinRows, [&](int64_t b0, int64_t b1) {
+    const BelowAutograd guard;
+    f(b0, b1);
+  });
+}
+
+// y = the GEMM's result for rows of `out` (a view): in place where at::mm wrote it, else copied in
+void store_rows(at::Tensor& out, const at::Tensor& result) {
+  if (!result.is_same(out)) out.copy_(result);
+}
 
 template <typename T>
 std::vector<at::Tensor> lstm_forward(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& c0,
@@ -155,41 +149,44 @@ std::vector<at::Tensor> lstm_forward(const at::Tensor& gx, const at::Tensor& h0,
   const int64_t first = reverse ? t : 0;
   states.select(0, first).copy_(h0);
   cs.select(0, first).copy_(c0);
-  at::Tensor pre = at::empty({b, 4 * hidden}, options);  // the GEMM's output where at::mm runs it
+  const at::Tensor pre = at::empty({b, 4 * hidden}, options);  // the GEMM's output where at::mm runs it
   const StepGemm gemm(w_hh.t());
   const std::optional<StepGemm> gemm_hr = proj ? std::optional<StepGemm>(StepGemm(w_hr.t())) : std::nullopt;
   T* state = states.data_ptr<T>();
   T* c = cs.data_ptr<T>();
   for (int64_t k = 0; k < t; ++k) {
     const Step st = step_at(k, t, reverse);
-    const at::Tensor gates_h = gemm(states.select(0, st.before), pre);
-    const bool* keep = keep_at(mask, st.s);
-    const LstmForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0),
-                                  gx.stride(1),
-                                  gates_h.data_ptr<T>(),
-                                  c + st.before * b * hidden,
-                                  state + st.before * b * out_size,
-                                  keep,
-                                  acts.data_ptr<T>() + st.s * b * 4 * hidden,
-                                  c + st.after * b * hidden,
-                                  tanh_c.data_ptr<T>() + st.s * b * hidden,
-                                  proj ? ms.data_ptr<T>() + st.s * b * hidden : state + st.after * b * out_size,
-                                  !proj,
-                                  hidden};
-    for_rows(b, 6 * hidden, [&](int64_t begin, int64_t end) { lstm_forward_step(step, begin, end); });
-    if (proj) {
-      at::Tensor h_after = states.select(0, st.after);
-      const at::Tensor projected = (*gemm_hr)(ms.select(0, st.s), h_after);
-      if (!projected.is_same(h_after)) h_after.copy_(projected);
-      if (keep != nullptr) {
-        for (int64_t row = 0; row < b; ++row) {
+    for_batch(b, [&](int64_t b0, int64_t b1) {
+      const int64_t n = b1 - b0;
+      at::Tensor pre_rows = pre.narrow(0, b0, n);
+      const at::Tensor gates_h = gemm(states.select(0, st.before).narrow(0, b0, n), pre_rows);
+      const bool* keep = keep_rows(mask, st.s, b0);
+      T* h_before = state + (st.before * b + b0) * out_size;
+      T* h_after = state + (st.after * b + b0) * out_size;
+      const LstmForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0) + b0 * gx.stride(1),
+                                    gx.stride(1),
+                                    gates_h.data_ptr<T>(),
+                                    c + (st.before * b + b0) * hidden,
+                                    h_before,
+                                    keep,
+                                    acts.data_ptr<T>() + (st.s * b + b0) * 4 * hidden,
+                                    c + (st.after * b + b0) * hidden,
+                                    tanh_c.data_ptr<T>() + (st.s * b + b0) * hidden,
+                                    proj ? ms.data_ptr<T>() + (st.s * b + b0) * hidden : h_after,
+                                    !proj,
+                                    hidden};
+      lstm_forward_step(step, 0, n);
+      if (proj) {
+        at::Tensor h_rows = states.select(0, st.after).narrow(0, b0, n);
+        store_rows(h_rows, (*gemm_hr)(ms.select(0, st.s).narrow(0, b0, n), h_rows));
+        for (int64_t row = 0; keep != nullptr && row < n; ++row) {
           if (!keep[row]) {
-            std::memcpy(state + (st.after * b + row) * out_size, state + (st.before * b + row) * out_size,
+            std::memcpy(h_after + row * out_size, h_before + row * out_size,
                         static_cast<size_t>(out_size) * sizeof(T));
           }
         }
       }
-    }
+    });
   }
   return {states, cs, acts, tanh_c, ms};
 }
@@ -209,40 +206,47 @@ std::vector<at::Tensor> lstm_backward(const at::Tensor& d_out, const at::Tensor&
   cur.copy_(d_h);
   at::Tensor dc = at::empty({b, hidden}, options);
   dc.copy_(d_c);
-  at::Tensor dm_buffer = proj ? at::empty({b, hidden}, options) : at::Tensor(), dm;
+  const at::Tensor dm_buffer = proj ? at::empty({b, hidden}, options) : at::Tensor();
   const StepGemm gemm(w_hh);
   const std::optional<StepGemm> gemm_hr = proj ? std::optional<StepGemm>(StepGemm(w_hr)) : std::nullopt;
-  const T* d_out_data = ptr_or_null<T>(d_out);
+  const int64_t d_out_ld = d_out.defined() ? d_out.stride(1) : 0;
   for (int64_t k = t - 1; k >= 0; --k) {
     const Step st = step_at(k, t, reverse);
-    const bool* keep = keep_at(mask, st.s);
-    const T* d_out_s = d_out_data == nullptr ? nullptr : d_out_data + st.s * d_out.stride(0);
-    const int64_t d_out_ld = d_out.defined() ? d_out.stride(1) : 0;
-    T* grad_s = grad.data_ptr<T>() + st.s * width;  // rows t * width apart
-    if (proj) {  // dL/dh_t is the projection's G; dL/dm_t = dL/dh_t W_hr
-      const MaskedSumRows<T> rows{cur.data_ptr<T>(), d_out_s, d_out_ld, keep, grad_s + 4 * hidden, t * width,
-                                  out_size};
-      for_rows(b, out_size, [&](int64_t begin, int64_t end) { masked_sum_rows(rows, begin, end); });
-      dm = (*gemm_hr)(grad.select(1, st.s).narrow(1, 4 * hidden, out_size), dm_buffer);
-    }
-    const LstmBackwardStep<T> step{cur.data_ptr<T>(),
-                                   proj ? nullptr : d_out_s,
-                                   d_out_ld,
-                                   proj ? dm.data_ptr<T>() : nullptr,
-                                   dc.data_ptr<T>(),
-                                   acts.data_ptr<T>() + st.s * b * 4 * hidden,
-                                   cs.data_ptr<T>() + st.before * b * hidden,
-                                   tanh_c.data_ptr<T>() + st.s * b * hidden,
-                                   keep,
-                                   grad_s,
-                                   t * width,
-                                   keep == nullptr ? nullptr : next.data_ptr<T>(),
-                                   hidden,
-                                   out_size};
-    for_rows(b, 6 * hidden, [&](int64_t begin, int64_t end) { lstm_backward_step(step, begin, end); });
-    const at::Tensor dpre = grad.select(1, st.s).narrow(1, 0, 4 * hidden);
-    // masked: onto the passed dL/dh of the masked rows (zero elsewhere)
-    advance(cur, next, keep == nullptr ? gemm(dpre, next) : gemm.add(dpre, next));
+    for_batch(b, [&](int64_t b0, int64_t b1) {
+      const int64_t n = b1 - b0;
+      const bool* keep = keep_rows(mask, st.s, b0);
+      const T* d_out_rows = d_out.defined() ? d_out.data_ptr<T>() + st.s * d_out.stride(0) + b0 * d_out_ld : nullptr;
+      T* grad_rows = grad.data_ptr<T>() + b0 * t * width + st.s * width;  // rows t * width apart
+      const at::Tensor grad_s = grad.select(1, st.s).narrow(0, b0, n);
+      at::Tensor dm;
+      if (proj) {  // dL/dh_t is the projection's G; dL/dm_t = dL/dh_t W_hr
+        const MaskedSumRows<T> rows{cur.data_ptr<T>() + b0 * out_size, d_out_rows, d_out_ld, keep,
+                                    grad_rows + 4 * hidden, t * width, out_size};
+        masked_sum_rows(rows, 0, n);
+        at::Tensor dm_rows = dm_buffer.narrow(0, b0, n);
+        dm = (*gemm_hr)(grad_s.narrow(1, 4 * hidden, out_size), dm_rows);
+      }
+      const LstmBackwardStep<T> step{cur.data_ptr<T>() + b0 * out_size,
+                                     proj ? nullptr : d_out_rows,
+                                     d_out_ld,
+                                     proj ? dm.data_ptr<T>() : nullptr,
+                                     dc.data_ptr<T>() + b0 * hidden,
+                                     acts.data_ptr<T>() + (st.s * b + b0) * 4 * hidden,
+                                     cs.data_ptr<T>() + (st.before * b + b0) * hidden,
+                                     tanh_c.data_ptr<T>() + (st.s * b + b0) * hidden,
+                                     keep,
+                                     grad_rows,
+                                     t * width,
+                                     keep == nullptr ? nullptr : next.data_ptr<T>() + b0 * out_size,
+                                     hidden,
+                                     out_size};
+      lstm_backward_step(step, 0, n);
+      // dL/dh_{t-1} = dL/dpre W_hh (masked: onto the passed dL/dh of the masked rows, zero elsewhere)
+      at::Tensor next_rows = next.narrow(0, b0, n);
+      const at::Tensor dpre = grad_s.narrow(1, 0, 4 * hidden);
+      store_rows(next_rows, keep == nullptr ? gemm(dpre, next_rows) : gemm.add(dpre, next_rows));
+    });
+    std::swap(cur, next);
   }
   return {grad, cur, dc};
 }
@@ -256,24 +260,28 @@ std::vector<at::Tensor> gru_forward(const at::Tensor& gx, const at::Tensor& h0, 
   at::Tensor states = at::empty({t + 1, b, hidden}, options), rz = at::empty({t, b, 2 * hidden}, options);
   at::Tensor ns = at::empty({t, b, hidden}, options), gh_n = at::empty({t, b, hidden}, options);
   states.select(0, reverse ? t : 0).copy_(h0);
-  at::Tensor gh_buffer = at::empty({b, 3 * hidden}, options);
+  const at::Tensor gh_buffer = at::empty({b, 3 * hidden}, options);
   const StepGemm gemm(w_hh.t());
   T* state = states.data_ptr<T>();
   for (int64_t k = 0; k < t; ++k) {
     const Step st = step_at(k, t, reverse);
-    const at::Tensor gh = gemm(states.select(0, st.before), gh_buffer);
-    const GruForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0),
-                                 gx.stride(1),
-                                 gh.data_ptr<T>(),
-                                 ptr_or_null<T>(b_hh),
-                                 state + st.before * b * hidden,
-                                 keep_at(mask, st.s),
-                                 rz.data_ptr<T>() + st.s * b * 2 * hidden,
-                                 ns.data_ptr<T>() + st.s * b * hidden,
-                                 gh_n.data_ptr<T>() + st.s * b * hidden,
-                                 state + st.after * b * hidden,
-                                 hidden};
-    for_rows(b, 5 * hidden, [&](int64_t begin, int64_t end) { gru_forward_step(step, begin, end); });
+    for_batch(b, [&](int64_t b0, int64_t b1) {
+      const int64_t n = b1 - b0;
+      at::Tensor gh_rows = gh_buffer.narrow(0, b0, n);
+      const at::Tensor gh = gemm(states.select(0, st.before).narrow(0, b0, n), gh_rows);
+      const GruForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0) + b0 * gx.stride(1),
+                                   gx.stride(1),
+                                   gh.data_ptr<T>(),
+                                   b_hh.defined() ? b_hh.data_ptr<T>() : nullptr,
+                                   state + (st.before * b + b0) * hidden,
+                                   keep_rows(mask, st.s, b0),
+                                   rz.data_ptr<T>() + (st.s * b + b0) * 2 * hidden,
+                                   ns.data_ptr<T>() + (st.s * b + b0) * hidden,
+                                   gh_n.data_ptr<T>() + (st.s * b + b0) * hidden,
+                                   state + (st.after * b + b0) * hidden,
+                                   hidden};
+      gru_forward_step(step, 0, n);
+    });
   }
   return {states, rz, ns, gh_n};
 }
@@ -289,23 +297,31 @@ std::vector<at::Tensor> gru_backward(const at::Tensor& d_out, const at::Tensor& 
   at::Tensor cur = at::empty({b, hidden}, options), next = at::empty({b, hidden}, options);
   cur.copy_(d_h);
   const StepGemm gemm(w_hh);
-  const T* d_out_data = ptr_or_null<T>(d_out);
+  const int64_t d_out_ld = d_out.defined() ? d_out.stride(1) : 0;
   for (int64_t k = t - 1; k >= 0; --k) {
     const Step st = step_at(k, t, reverse);
-    const GruBackwardStep<T> step{cur.data_ptr<T>(),
-                                  d_out_data == nullptr ? nullptr : d_out_data + st.s * d_out.stride(0),
-                                  d_out.defined() ? d_out.stride(1) : 0,
-                                  rz.data_ptr<T>() + st.s * b * 2 * hidden,
-                                  ns.data_ptr<T>() + st.s * b * hidden,
-                                  gh_n.data_ptr<T>() + st.s * b * hidden,
-                                  states.data_ptr<T>() + st.before * b * hidden,
-                                  keep_at(mask, st.s),
-                                  grad.data_ptr<T>() + st.s * 6 * hidden,
-                                  t * 6 * hidden,
-                                  next.data_ptr<T>(),
-                                  hidden};
-    for_rows(b, 8 * hidden, [&](int64_t begin, int64_t end) { gru_backward_step(step, begin, end); });
-    advance(cur, next, gemm.add(grad.select(1, st.s).narrow(1, 3 * hidden, 3 * hidden), next));
+    for_batch(b, [&](int64_t b0, int64_t b1) {
+      const int64_t n = b1 - b0;
+      const GruBackwardStep<T> step{
+          cur.data_ptr<T>() + b0 * hidden,
+          d_out.defined() ? d_out.data_ptr<T>() + st.s * d_out.stride(0) + b0 * d_out_ld : nullptr,
+          d_out_ld,
+          rz.data_ptr<T>() + (st.s * b + b0) * 2 * hidden,
+          ns.data_ptr<T>() + (st.s * b + b0) * hidden,
+          gh_n.data_ptr<T>() + (st.s * b + b0) * hidden,
+          states.data_ptr<T>() + (st.before * b + b0) * hidden,
+          keep_rows(mask, st.s, b0),
+          grad.data_ptr<T>() + b0 * t * 6 * hidden + st.s * 6 * hidden,
+          t * 6 * hidden,
+          next.data_ptr<T>() + b0 * hidden,
+          hidden};
+      gru_backward_step(step, 0, n);
+      // dL/dh_{t-1} = dL/dh_t z (+ passed rows) + gh W_hh
+      at::Tensor next_rows = next.narrow(0, b0, n);
+      store_rows(next_rows, gemm.add(grad.select(1, st.s).narrow(0, b0, n).narrow(1, 3 * hidden, 3 * hidden),
+                                     next_rows));
+    });
+    std::swap(cur, next);
   }
   return {grad, cur};
 }
@@ -318,21 +334,25 @@ std::vector<at::Tensor> rnn_forward(const at::Tensor& gx, const at::Tensor& h0, 
   const auto options = gx.options();
   at::Tensor states = at::empty({t + 1, b, hidden}, options);
   states.select(0, reverse ? t : 0).copy_(h0);
-  at::Tensor pre_buffer = at::empty({b, hidden}, options);
+  const at::Tensor pre_buffer = at::empty({b, hidden}, options);
   const StepGemm gemm(w_hh.t());
   T* state = states.data_ptr<T>();
   for (int64_t k = 0; k < t; ++k) {
     const Step st = step_at(k, t, reverse);
-    const at::Tensor pre = gemm(states.select(0, st.before), pre_buffer);
-    const RnnForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0),
-                                 gx.stride(1),
-                                 pre.data_ptr<T>(),
-                                 state + st.before * b * hidden,
-                                 keep_at(mask, st.s),
-                                 state + st.after * b * hidden,
-                                 relu,
-                                 hidden};
-    for_rows(b, 2 * hidden, [&](int64_t begin, int64_t end) { rnn_forward_step(step, begin, end); });
+    for_batch(b, [&](int64_t b0, int64_t b1) {
+      const int64_t n = b1 - b0;
+      at::Tensor pre_rows = pre_buffer.narrow(0, b0, n);
+      const at::Tensor pre = gemm(states.select(0, st.before).narrow(0, b0, n), pre_rows);
+      const RnnForwardStep<T> step{gx.data_ptr<T>() + st.s * gx.stride(0) + b0 * gx.stride(1),
+                                   gx.stride(1),
+                                   pre.data_ptr<T>(),
+                                   state + (st.before * b + b0) * hidden,
+                                   keep_rows(mask, st.s, b0),
+                                   state + (st.after * b + b0) * hidden,
+                                   relu,
+                                   hidden};
+      rnn_forward_step(step, 0, n);
+    });
   }
   return {states};
 }
@@ -347,23 +367,29 @@ std::vector<at::Tensor> rnn_backward(const at::Tensor& d_out, const at::Tensor& 
   at::Tensor cur = at::empty({b, hidden}, options), next = at::empty({b, hidden}, options);
   cur.copy_(d_h);
   const StepGemm gemm(w_hh);
-  const T* d_out_data = ptr_or_null<T>(d_out);
+  const int64_t d_out_ld = d_out.defined() ? d_out.stride(1) : 0;
   for (int64_t k = t - 1; k >= 0; --k) {
     const Step st = step_at(k, t, reverse);
-    const bool* keep = keep_at(mask, st.s);
-    const RnnBackwardStep<T> step{cur.data_ptr<T>(),
-                                  d_out_data == nullptr ? nullptr : d_out_data + st.s * d_out.stride(0),
-                                  d_out.defined() ? d_out.stride(1) : 0,
-                                  states.data_ptr<T>() + st.after * b * hidden,
-                                  keep,
-                                  grad.data_ptr<T>() + st.s * hidden,
-                                  t * hidden,
-                                  keep == nullptr ? nullptr : next.data_ptr<T>(),
-                                  relu,
-                                  hidden};
-    for_rows(b, 2 * hidden, [&](int64_t begin, int64_t end) { rnn_backward_step(step, begin, end); });
-    const at::Tensor grad_s = grad.select(1, st.s);
-    advance(cur, next, keep == nullptr ? gemm(grad_s, next) : gemm.add(grad_s, next));
+    for_batch(b, [&](int64_t b0, int64_t b1) {
+      const int64_t n = b1 - b0;
+      const bool* keep = keep_rows(mask, st.s, b0);
+      const RnnBackwardStep<T> step{
+          cur.data_ptr<T>() + b0 * hidden,
+          d_out.defined() ? d_out.data_ptr<T>() + st.s * d_out.stride(0) + b0 * d_out_ld : nullptr,
+          d_out_ld,
+          states.data_ptr<T>() + (st.after * b + b0) * hidden,
+          keep,
+          grad.data_ptr<T>() + b0 * t * hidden + st.s * hidden,
+          t * hidden,
+          keep == nullptr ? nullptr : next.data_ptr<T>() + b0 * hidden,
+          relu,
+          hidden};
+      rnn_backward_step(step, 0, n);
+      at::Tensor next_rows = next.narrow(0, b0, n);
+      const at::Tensor grad_s = grad.select(1, st.s).narrow(0, b0, n);
+      store_rows(next_rows, keep == nullptr ? gemm(grad_s, next_rows) : gemm.add(grad_s, next_rows));
+    });
+    std::swap(cur, next);
   }
   return {grad, cur};
 }
