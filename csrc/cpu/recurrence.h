@@ -2,8 +2,8 @@
 
 // One time step of a recurrent layer's gates (LSTM, GRU, tanh/relu RNN), forward and backward through time, on
 // raw pointers: every elementwise operation of the step in one pass over its rows. The step's GEMMs (h W_hh^T,
-// dL/dpre W_hh, the LSTM projection) are not here: the time loops (csrc/cpu/recurrence_loop.cpp) run them with
-// at::mm_out between the calls. Rows are examples: row b of every argument belongs to example b, and each kernel
+// dL/dpre W_hh, the LSTM projection) are not here: the time loops (csrc/cpu/recurrence_loop.cpp) run them (oneDNN's
+// linear or at::mm) between the calls. Rows are examples: row b of every argument belongs to example b, and each kernel
 // reads and writes row b of its arguments only. Math, as fastdp/nn/recurrent.py's torch steps:
 //
 //   LSTM: pre = gx + h_{t-1} W_hh^T = [i f g o] pre-activations; i, f, o = sigmoid, g = tanh;

@@ -27,8 +27,11 @@ namespace {
 // A step's GEMM y [B, N] = x [B, K] rhs [K, N] (rhs: W_hh^T, W_hr^T forward; W_hh, W_hr backward). float32 runs
 // oneDNN's linear where torch was built with it (the mkldnn::_linear_pointwise op on the weight rhs^T [N, K]): its
 // AVX-512 kernels take 45 us for the LSTM step at B 64, H 128 on the benchmark's CPU, at::mm (MKL) 77 us. (Packing
-// the weight first, mkldnn::_reorder_linear_weight, saves 4 us a step and costs 190 us a sequence.) float64, float32 without oneDNN and with torch.backends.mkldnn.enabled
-// False run at::mm.
+// the weight first, mkldnn::_reorder_linear_weight, saves 4 us a step and costs 190 us a sequence.) float64,
+// float32 without oneDNN, and torch.backends.mkldnn.enabled = False run at::mm. oneDNN follows torch's oneDNN
+// settings (a bf16 or tf32 fp32_precision, if the user chose one, as torch's own oneDNN ops do): that changes the
+// accuracy of the G and A these loops produce, not the clipping bound, since the norms and the clipped sums are
+// taken of exactly those G and A.
 
 std::atomic<bool> onednn_chosen{true};  // set_recurrence_gemm: "onednn" (where available) or "aten"
 
@@ -437,7 +440,9 @@ std::vector<at::Tensor> gru_forward_cpu(const at::Tensor& gx, const at::Tensor& 
 std::vector<at::Tensor> gru_backward_cpu(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& rz,
                                          const at::Tensor& ns, const at::Tensor& gh_n, const at::Tensor& states,
                                          const at::Tensor& w_hh, const at::Tensor& mask, bool reverse) {
-  if (ns.scalar_type() == at::kDouble) return gru_backward<double>(d_out, d_h, rz, ns, gh_n, states, w_hh, mask, reverse);
+  if (ns.scalar_type() == at::kDouble) {
+    return gru_backward<double>(d_out, d_h, rz, ns, gh_n, states, w_hh, mask, reverse);
+  }
   return gru_backward<float>(d_out, d_h, rz, ns, gh_n, states, w_hh, mask, reverse);
 }
 

@@ -1,11 +1,12 @@
 #pragma once
 
 // Time loops of one layer and direction of a recurrent layer on CPU tensors, forward and backward through time
-// (fastdp/nn/recurrent.py's _lstm_forward, _lstm_backward, _gru_*, _rnn_*, with the same arguments and results):
-// per step one at::mm_out (the hidden GEMM) and one call of the step's gate kernel (cpu/recurrence.h), rows split
-// over threads. Inputs are checked by csrc/bindings.cpp: CPU, one floating dtype (float32 or float64), shapes;
-// sequence tensors are time-major [T, B, *] with a unit last stride. A reverse direction walks the positions
-// backwards; the states buffers [T + 1, B, *] hold the initial state at 0 (forward) or T (reverse), as
+// (fastdp/nn/recurrent.py's _lstm_forward, _lstm_backward, _gru_*, _rnn_*, with the same arguments and results, except
+// that the backward's carrier gradient is batch-first): per step one GEMM (the hidden one; oneDNN's linear for float32,
+// at::mm otherwise) and one call of the step's gate kernel (cpu/recurrence.h); with several threads, each runs whole
+// steps on its own rows of the batch. Inputs are checked by csrc/bindings.cpp: CPU, one floating dtype (float32 or
+// float64), shapes; sequence tensors are time-major [T, B, *] with a unit last stride. A reverse direction walks the
+// positions backwards; the states buffers [T + 1, B, *] hold the initial state at 0 (forward) or T (reverse), as
 // fastdp.nn.recurrent._steps.
 
 #include <ATen/core/Tensor.h>
@@ -47,9 +48,9 @@ std::vector<at::Tensor> rnn_forward_cpu(const at::Tensor& gx, const at::Tensor& 
 std::vector<at::Tensor> rnn_backward_cpu(const at::Tensor& d_out, const at::Tensor& d_h, const at::Tensor& states,
                                          const at::Tensor& w_hh, bool relu, const at::Tensor& mask, bool reverse);
 
-// Which GEMM the float32 loops run: "onednn" (torch's mkldnn::_linear_pointwise, where torch has it, it passes a
-// probe and torch.backends.mkldnn.enabled is True) or "aten" (at::mm). set_recurrence_gemm("aten") forces at::mm, "onednn" restores it where it works
-// (false where it does not), "" restores the default (tests run both).
+// Which GEMM the float32 loops run: "onednn" (torch's mkldnn::_linear_pointwise, where torch has it, it passes a probe
+// and torch.backends.mkldnn.enabled is True) or "aten" (at::mm). set_recurrence_gemm("aten") forces at::mm, "onednn"
+// restores it where it works (false where it does not), "" restores the default (tests run both).
 const char* recurrence_gemm();
 bool set_recurrence_gemm(const std::string& name);
 
