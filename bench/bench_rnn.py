@@ -9,6 +9,7 @@ hidden state, mean cross-entropy) per provider, interleaved, medians (``harness.
 
     python bench/bench_rnn.py                      # B 64, T 32, input 64, hidden 128, LSTM and GRU, 15 rounds
     python bench/bench_rnn.py --threads 1          # on a shared machine: one thread waits for no descheduled other
+    FASTDP_BACKEND=torch python bench/bench_rnn.py # fastdp with the torch time loops instead of fastdp._C's
 
 Results are appended to bench/results/<device>-rnn.csv.
 """
@@ -87,6 +88,16 @@ def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 PROVIDERS = ("nonprivate", "fastdp", "opacus-hooks", "opacus-ghost")
 
 
+def recurrence_note(device: torch.device) -> str:
+    """Which time loops fastdp's recurrent layers run here (the fastdp rows' note)."""
+    from fastdp.nn.recurrent import _extension
+
+    ext = _extension(torch.zeros(1, device=device))
+    if ext is None:
+        return "recurrence: torch loops"
+    return f"recurrence: fastdp._C ({ext.recurrence_isa()} gate kernels, {ext.recurrence_gemm()} step GEMMs)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", default=["lstm", "gru"], choices=["lstm", "gru"])
@@ -108,6 +119,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.input, generator=gen).to(device)
     y = torch.randint(0, args.classes, (args.batch,), generator=gen).to(device)
+    note = recurrence_note(device) if "fastdp" in args.providers else ""
+    print(note)
     rows = []
     for kind in args.kinds:
         builders, failed = {}, {}
@@ -132,7 +145,8 @@ def main() -> None:
             median, p20, p80, _ = results[provider]
             print(f"  {provider:14s} {median:9.2f} ms ({p20:.2f}, {p80:.2f})  x {median / base:.2f} non-private")
             rows.append(dict(workload=workload, provider=provider, median_ms=round(median, 3), p20_ms=round(p20, 3),
-                             p80_ms=round(p80, 3), ratio=round(median / base, 3), note="", **info))  # fmt: skip
+                             p80_ms=round(p80, 3), ratio=round(median / base, 3),
+                             note=note if provider == "fastdp" else "", **info))  # fmt: skip
     harness.write_rows(rows, None, f"{harness.device_name(device)}-rnn")
 
 

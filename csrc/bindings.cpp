@@ -10,6 +10,8 @@
 #include "cpu/clip.h"
 #include "cpu/noise.h"
 #include "cpu/norms.h"
+#include "cpu/recurrence.h"
+#include "cpu/recurrence_loop.h"
 #include "fastdp/clip.h"
 #include "fastdp/noise.h"
 #include "fastdp/norms.h"
@@ -411,6 +413,156 @@ std::vector<at::Tensor> bjorck_cuda(const std::vector<at::Tensor>& weights, int6
 }
 #endif
 
+// ------------------------------------------------------------------------------------------ recurrences
+// One layer and direction of fastdp.nn's RNN/LSTM/GRU on CPU (csrc/cpu/recurrence_loop.h): every tensor on the CPU
+// in one dtype (float32 or float64); sequences time-major [T, B, *] with a unit last stride (copied otherwise);
+// a mask [T, B] bool (copied contiguous). Shapes checked here; the loops trust them.
+
+struct RecurrenceCheck {
+  const char* op;
+  at::ScalarType dtype;
+
+  void tensor(const at::Tensor& t, const char* name, std::initializer_list<int64_t> shape) const {
+    TORCH_CHECK(t.device().is_cpu(), "fastdp ", op, ": ", name, " must be a CPU tensor, got one on ", t.device());
+    TORCH_CHECK(t.scalar_type() == dtype, "fastdp ", op, ": ", name, " is ", t.scalar_type(), "; every tensor must be ",
+                dtype, " (float32 or float64)");
+    TORCH_CHECK(t.sizes().equals(shape), "fastdp ", op, ": ", name, " must have shape ", at::IntArrayRef(shape),
+                ", got ", t.sizes());
+  }
+
+  void optional(const c10::optional<at::Tensor>& t, const char* name, std::initializer_list<int64_t> shape) const {
+    if (t.has_value() && t->defined()) tensor(*t, name, shape);
+  }
+
+  // a sequence [T, B, n] with a unit last stride (rows addressed by stride(0) and stride(1))
+  at::Tensor sequence(const at::Tensor& t, const char* name, std::initializer_list<int64_t> shape) const {
+    tensor(t, name, shape);
+    return t.stride(2) == 1 || t.size(2) <= 1 ? t : t.contiguous();
+  }
+
+  at::Tensor mask(const c10::optional<at::Tensor>& m, int64_t steps, int64_t batch) const {
+    if (!m.has_value() || !m->defined()) return at::Tensor();
+    TORCH_CHECK(m->device().is_cpu() && m->scalar_type() == at::kBool, "fastdp ", op,
+                ": mask must be a CPU bool tensor, got ", m->scalar_type(), " on ", m->device());
+    TORCH_CHECK(m->sizes().equals({steps, batch}), "fastdp ", op, ": mask must have shape [", steps, ", ", batch,
+                "], got ", m->sizes());
+    return m->contiguous();
+  }
+};
+
+at::ScalarType recurrence_dtype(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "fastdp ", op,
+              ": tensors must be float32 or float64, got ", t.scalar_type());
+  return t.scalar_type();
+}
+
+at::Tensor defined_or_empty(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? *t : at::Tensor();
+}
+
+std::vector<at::Tensor> lstm_forward(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& c0,
+                                     const at::Tensor& w_hh, const c10::optional<at::Tensor>& w_hr,
+                                     const c10::optional<at::Tensor>& mask, bool reverse) {
+  const RecurrenceCheck check{"lstm_forward", recurrence_dtype(gx, "lstm_forward")};
+  TORCH_CHECK(gx.dim() == 3 && gx.size(2) % 4 == 0 && gx.size(2) > 0,
+              "fastdp lstm_forward: gx must be [T, B, 4 * hidden], got ", gx.sizes());
+  const int64_t t = gx.size(0), b = gx.size(1), hidden = gx.size(2) / 4;
+  const int64_t out = w_hr.has_value() && w_hr->defined() ? w_hr->size(0) : hidden;
+  const at::Tensor x = check.sequence(gx, "gx", {t, b, 4 * hidden});
+  check.tensor(h0, "h0", {b, out});
+  check.tensor(c0, "c0", {b, hidden});
+  check.tensor(w_hh, "w_hh", {4 * hidden, out});
+  check.optional(w_hr, "w_hr", {out, hidden});
+  return lstm_forward_cpu(x, h0, c0, w_hh, defined_or_empty(w_hr), check.mask(mask, t, b), reverse);
+}
+
+std::vector<at::Tensor> lstm_backward(const c10::optional<at::Tensor>& d_out, const at::Tensor& d_h,
+                                      const at::Tensor& d_c, const at::Tensor& acts, const at::Tensor& cs,
+                                      const at::Tensor& tanh_c, const c10::optional<at::Tensor>& ms,
+                                      const at::Tensor& w_hh, const c10::optional<at::Tensor>& w_hr,
+                                      const c10::optional<at::Tensor>& mask, bool reverse) {
+  const RecurrenceCheck check{"lstm_backward", recurrence_dtype(acts, "lstm_backward")};
+  TORCH_CHECK(acts.dim() == 3 && acts.size(2) % 4 == 0 && acts.size(2) > 0,
+              "fastdp lstm_backward: acts must be [T, B, 4 * hidden], got ", acts.sizes());
+  const int64_t t = acts.size(0), b = acts.size(1), hidden = acts.size(2) / 4;
+  const int64_t out = w_hr.has_value() && w_hr->defined() ? w_hr->size(0) : hidden;
+  check.tensor(acts, "acts", {t, b, 4 * hidden});
+  TORCH_CHECK(acts.is_contiguous() && cs.is_contiguous() && tanh_c.is_contiguous(),
+              "fastdp lstm_backward: acts, cs and tanh_c must be contiguous (as lstm_forward returns them)");
+  check.tensor(cs, "cs", {t + 1, b, hidden});
+  check.tensor(tanh_c, "tanh_c", {t, b, hidden});
+  check.optional(ms, "ms", {t, b, hidden});
+  check.tensor(d_h, "d_h", {b, out});
+  check.tensor(d_c, "d_c", {b, hidden});
+  check.tensor(w_hh, "w_hh", {4 * hidden, out});
+  check.optional(w_hr, "w_hr", {out, hidden});
+  at::Tensor d_seq;
+  if (d_out.has_value() && d_out->defined()) d_seq = check.sequence(*d_out, "d_out", {t, b, out});
+  return lstm_backward_cpu(d_seq, d_h, d_c, acts, cs, tanh_c, defined_or_empty(ms), w_hh, defined_or_empty(w_hr),
+                           check.mask(mask, t, b), reverse);
+}
+
+std::vector<at::Tensor> gru_forward(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& w_hh,
+                                    const c10::optional<at::Tensor>& b_hh, const c10::optional<at::Tensor>& mask,
+                                    bool reverse) {
+  const RecurrenceCheck check{"gru_forward", recurrence_dtype(gx, "gru_forward")};
+  TORCH_CHECK(gx.dim() == 3 && gx.size(2) % 3 == 0 && gx.size(2) > 0,
+              "fastdp gru_forward: gx must be [T, B, 3 * hidden], got ", gx.sizes());
+  const int64_t t = gx.size(0), b = gx.size(1), hidden = gx.size(2) / 3;
+  const at::Tensor x = check.sequence(gx, "gx", {t, b, 3 * hidden});
+  check.tensor(h0, "h0", {b, hidden});
+  check.tensor(w_hh, "w_hh", {3 * hidden, hidden});
+  check.optional(b_hh, "b_hh", {3 * hidden});
+  const at::Tensor bias = b_hh.has_value() && b_hh->defined() ? b_hh->contiguous() : at::Tensor();
+  return gru_forward_cpu(x, h0, w_hh, bias, check.mask(mask, t, b), reverse);
+}
+
+std::vector<at::Tensor> gru_backward(const c10::optional<at::Tensor>& d_out, const at::Tensor& d_h,
+                                     const at::Tensor& rz, const at::Tensor& ns, const at::Tensor& gh_n,
+                                     const at::Tensor& states, const at::Tensor& w_hh,
+                                     const c10::optional<at::Tensor>& mask, bool reverse) {
+  const RecurrenceCheck check{"gru_backward", recurrence_dtype(ns, "gru_backward")};
+  TORCH_CHECK(ns.dim() == 3 && ns.size(2) > 0, "fastdp gru_backward: ns must be [T, B, hidden], got ", ns.sizes());
+  const int64_t t = ns.size(0), b = ns.size(1), hidden = ns.size(2);
+  check.tensor(ns, "ns", {t, b, hidden});
+  check.tensor(rz, "rz", {t, b, 2 * hidden});
+  check.tensor(gh_n, "gh_n", {t, b, hidden});
+  check.tensor(states, "states", {t + 1, b, hidden});
+  TORCH_CHECK(rz.is_contiguous() && ns.is_contiguous() && gh_n.is_contiguous() && states.is_contiguous(),
+              "fastdp gru_backward: rz, ns, gh_n and states must be contiguous (as gru_forward returns them)");
+  check.tensor(d_h, "d_h", {b, hidden});
+  check.tensor(w_hh, "w_hh", {3 * hidden, hidden});
+  at::Tensor d_seq;
+  if (d_out.has_value() && d_out->defined()) d_seq = check.sequence(*d_out, "d_out", {t, b, hidden});
+  return gru_backward_cpu(d_seq, d_h, rz, ns, gh_n, states, w_hh, check.mask(mask, t, b), reverse);
+}
+
+std::vector<at::Tensor> rnn_forward(const at::Tensor& gx, const at::Tensor& h0, const at::Tensor& w_hh, bool relu,
+                                    const c10::optional<at::Tensor>& mask, bool reverse) {
+  const RecurrenceCheck check{"rnn_forward", recurrence_dtype(gx, "rnn_forward")};
+  TORCH_CHECK(gx.dim() == 3 && gx.size(2) > 0, "fastdp rnn_forward: gx must be [T, B, hidden], got ", gx.sizes());
+  const int64_t t = gx.size(0), b = gx.size(1), hidden = gx.size(2);
+  const at::Tensor x = check.sequence(gx, "gx", {t, b, hidden});
+  check.tensor(h0, "h0", {b, hidden});
+  check.tensor(w_hh, "w_hh", {hidden, hidden});
+  return rnn_forward_cpu(x, h0, w_hh, relu, check.mask(mask, t, b), reverse);
+}
+
+std::vector<at::Tensor> rnn_backward(const c10::optional<at::Tensor>& d_out, const at::Tensor& d_h,
+                                     const at::Tensor& states, const at::Tensor& w_hh, bool relu,
+                                     const c10::optional<at::Tensor>& mask, bool reverse) {
+  const RecurrenceCheck check{"rnn_backward", recurrence_dtype(states, "rnn_backward")};
+  TORCH_CHECK(states.dim() == 3 && states.size(0) > 0 && states.size(2) > 0,
+              "fastdp rnn_backward: states must be [T + 1, B, hidden], got ", states.sizes());
+  const int64_t t = states.size(0) - 1, b = states.size(1), hidden = states.size(2);
+  TORCH_CHECK(states.is_contiguous(), "fastdp rnn_backward: states must be contiguous (as rnn_forward returns them)");
+  check.tensor(d_h, "d_h", {b, hidden});
+  check.tensor(w_hh, "w_hh", {hidden, hidden});
+  at::Tensor d_seq;
+  if (d_out.has_value() && d_out->defined()) d_seq = check.sequence(*d_out, "d_out", {t, b, hidden});
+  return rnn_backward_cpu(d_seq, d_h, states, w_hh, relu, check.mask(mask, t, b), reverse);
+}
+
 bool has_cuda() {
 #ifdef FASTDP_WITH_CUDA
   return true;
@@ -444,4 +596,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("iters"), py::arg("beta"));
 #endif
   m.def("has_cuda", &fastdp::has_cuda, "Whether this build has the CUDA kernels");
+  m.def("lstm_forward", &fastdp::lstm_forward,
+        "One LSTM layer and direction on CPU, time loop in C++: (states, cs, acts, tanh_c, ms)", py::arg("gx"),
+        py::arg("h0"), py::arg("c0"), py::arg("w_hh"), py::arg("w_hr"), py::arg("mask"), py::arg("reverse"));
+  m.def("lstm_backward", &fastdp::lstm_backward, "Backward through time of lstm_forward: (grad, d_h0, d_c0)",
+        py::arg("d_out"), py::arg("d_h"), py::arg("d_c"), py::arg("acts"), py::arg("cs"), py::arg("tanh_c"),
+        py::arg("ms"), py::arg("w_hh"), py::arg("w_hr"), py::arg("mask"), py::arg("reverse"));
+  m.def("gru_forward", &fastdp::gru_forward, "One GRU layer and direction on CPU: (states, rz, ns, gh_n)",
+        py::arg("gx"), py::arg("h0"), py::arg("w_hh"), py::arg("b_hh"), py::arg("mask"), py::arg("reverse"));
+  m.def("gru_backward", &fastdp::gru_backward, "Backward through time of gru_forward: (grad [gx | gh], d_h0)",
+        py::arg("d_out"), py::arg("d_h"), py::arg("rz"), py::arg("ns"), py::arg("gh_n"), py::arg("states"),
+        py::arg("w_hh"), py::arg("mask"), py::arg("reverse"));
+  m.def("rnn_forward", &fastdp::rnn_forward, "One tanh/relu RNN layer and direction on CPU: (states,)",
+        py::arg("gx"), py::arg("h0"), py::arg("w_hh"), py::arg("relu"), py::arg("mask"), py::arg("reverse"));
+  m.def("rnn_backward", &fastdp::rnn_backward, "Backward through time of rnn_forward: (grad, d_h0)",
+        py::arg("d_out"), py::arg("d_h"), py::arg("states"), py::arg("w_hh"), py::arg("relu"), py::arg("mask"),
+        py::arg("reverse"));
+  m.def("recurrence_isa", &fastdp::recurrence_float_isa,
+        "Which float gate kernels the recurrences run here: avx512, avx2 or baseline");
+  m.def("set_recurrence_isa", &fastdp::set_recurrence_float_isa,
+        "Run the recurrences' float gate kernels of this ISA (avx512, avx2, baseline; '' for the CPU's best); "
+        "False if the CPU cannot", py::arg("name"));
+  m.def("recurrence_gemm", &fastdp::recurrence_gemm,
+        "Which GEMM the recurrences' float32 steps run: onednn (torch's mkldnn linear) or aten (at::mm)");
+  m.def("set_recurrence_gemm", &fastdp::set_recurrence_gemm,
+        "Run the recurrences' float32 step GEMMs with onednn or aten ('' for the default); False if unavailable",
+        py::arg("name"));
 }

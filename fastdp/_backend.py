@@ -36,6 +36,10 @@ VALIDATED: dict[str, dict[str, tuple[str, ...]]] = {
     # CUDA: no GPU test run recorded yet.
     "spectral": {"cpu": (), "cuda": ()},
     "orthogonal": {"cpu": (), "cuda": ()},
+    # CPU: the csrc/cpu time loops of fastdp.nn's RNN/LSTM/GRU (one GEMM and one gate kernel per step) pass
+    # tests/test_recurrence_ops.py and tests/test_recurrent.py and beat the torch loops (bench/results/cpu-rnn.md).
+    # CUDA: none (the torch loops).
+    "recurrence": {"cpu": ("cuda",), "cuda": ()},
 }
 
 

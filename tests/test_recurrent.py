@@ -8,6 +8,7 @@ recurrence fails: its in-place ops do not batch)."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.data import DataLoader, TensorDataset
 
+import fastdp
 import fastdp.nn as dpnn
 from fastdp import PrivacyEngine
 from fastdp.algorithms import DPSGD, JL, Batch
@@ -23,7 +25,7 @@ from fastdp.algorithms.base import per_example_cross_entropy as loss_fn
 from fastdp.algorithms.dpsgd import ghost_backward, ghost_clipped_gradient_sum
 from fastdp.algorithms.jl import jl_projections
 from fastdp.nn import GhostClipping, UnsupportedLayerError, convert
-from fastdp.nn.recurrent import GATES, _Recurrence, _reference_recurrence
+from fastdp.nn.recurrent import GATES, _extension, _Recurrence, _reference_recurrence
 from fastdp.privacy.rng import PrivacyKeys
 from tests.variants import projection_reference
 
@@ -42,6 +44,21 @@ CONFIGS = {
     "bidirectional": (1, True, True, True, False, False),
     "2-layer-bidirectional-packed-initial-state": (2, True, True, True, True, True),
 }
+
+
+@pytest.fixture(params=["extension", "torch"])
+def loops(request):
+    """The recurrences' time loops: fastdp._C's (csrc/cpu/recurrence_loop.cpp, the default where it is built) or the
+    torch loops of fastdp.nn.recurrent (FASTDP_BACKEND=torch, or no extension)."""
+    previous = fastdp.get_backend()
+    if request.param == "torch":
+        fastdp.set_backend("torch")
+    elif _extension(torch.zeros(1)) is None:
+        if os.environ.get("FASTDP_REQUIRE_EXT") == "1":
+            pytest.fail("fastdp._C with the recurrence kernels must be built for this run")
+        pytest.skip("fastdp._C with the recurrence kernels is not built")
+    yield request.param
+    fastdp.set_backend(previous)
 
 
 class Net(nn.Module):
@@ -111,7 +128,7 @@ def _clipped_reference(model, batch, clip):
 
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_clipped_sums_equal_clipped_per_example_gradients(kind, config):
+def test_clipped_sums_equal_clipped_per_example_gradients(kind, config, loops):
     model = _model(kind, config)
     batch = _data()
     expected = _clipped_reference(copy.deepcopy(model), batch, 0.05)
@@ -121,6 +138,24 @@ def test_clipped_sums_equal_clipped_per_example_gradients(kind, config):
     for s, e, (name, p) in zip(sums, expected, model.named_parameters(), strict=True):
         assert s.shape == p.shape
         torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-13, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("config", ["2-layer-bidirectional-time-major-initial-state",
+                                    "2-layer-bidirectional-packed-initial-state"])  # fmt: skip
+@pytest.mark.parametrize("kind", KINDS)
+def test_float32_clipped_sums_of_the_extension_equal_the_torch_loops(kind, config, restore_backend):
+    """float32 (the extension's vectorised gates, oneDNN's step GEMMs and input projections where torch has them,
+    their input gradients between the layers) against the torch loops."""
+    if _extension(torch.zeros(1)) is None:
+        pytest.skip("fastdp._C with the recurrence kernels is not built")
+    model = convert(_model(kind, config).float())
+    batch = _data(dtype=torch.float32)
+    sums = {}
+    for backend in ("auto", "torch"):
+        fastdp.set_backend(backend)
+        sums[backend], _ = ghost_clipped_gradient_sum(model, loss_fn, batch, 0.05)
+    for s, e, (name, _) in zip(sums["auto"], sums["torch"], model.named_parameters(), strict=True):
+        torch.testing.assert_close(s, e, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("kind", ["lstm", "lstm-proj", "gru"])
@@ -144,8 +179,9 @@ CELLS = [("LSTM", 0, True), ("LSTM", 3, True), ("GRU", 0, True), ("GRU", 0, Fals
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize(("mode", "proj", "bias"), CELLS)
-def test_fused_backward_through_time_equals_autograd_of_the_recurrence(mode, proj, bias, reverse, masked):
-    """Outputs, the carrier's gradient (the G's), the input projections' and the initial states' gradients."""
+def test_fused_backward_through_time_equals_autograd_of_the_recurrence(mode, proj, bias, reverse, masked, loops):
+    """Outputs, the carrier's gradient (the G's), the input projections' and the initial states' gradients, with
+    either time loops."""
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape):
@@ -160,6 +196,7 @@ def test_fused_backward_through_time_equals_autograd_of_the_recurrence(mode, pro
     w_hr = randn(proj, hsz) if proj else None
     mask = torch.arange(t).unsqueeze(1) < torch.tensor([5, 2, 3]).unsqueeze(0) if masked else None
     weights = randn(t, b, out_size)
+    assert (_extension(gates_x) is not None) == (loops == "extension")
     results = []
     for run in (_Recurrence.apply, _reference_recurrence):
         carrier = torch.zeros(b, t, width, dtype=torch.float64, requires_grad=True)
@@ -332,6 +369,22 @@ def test_bf16_autocast_trains_with_the_recurrence_in_the_parameters_dtype():
         model(x)
     (record,) = [r for r in ctx.records if r.layer is model.rnn]
     assert record.dtype == torch.float32 and all(a.dtype == torch.float32 for a in record.saved)
+
+
+def test_an_extension_without_the_recurrence_kernels_runs_the_torch_loops_once_warned(monkeypatch, restore_backend):
+    import fastdp.nn.recurrent as recurrent
+
+    class Stale:  # fastdp._C built before the recurrence kernels
+        pass
+
+    monkeypatch.setattr(recurrent._ext, "_C", Stale())
+    monkeypatch.setattr(recurrent, "_STALE_EXTENSION_WARNED", False)
+    monkeypatch.setattr(recurrent._backend, "available", lambda backend, device: (True, "stale build"))
+    fastdp.set_backend("cuda")
+    with pytest.warns(RuntimeWarning, match="built without the recurrence kernels") as caught:
+        assert _extension(torch.zeros(1)) is None
+        assert _extension(torch.zeros(1)) is None
+    assert len(caught) == 1
 
 
 def test_refusals():

@@ -17,27 +17,33 @@ between the hidden product and the pre-activation, so its W_ih, b_ih take ``gx_t
 W_hh, b_hh ``gh_t = dL/d(h_{t-1} W_hh^T + b_hh)`` (equal on the r and z gates, ``r_t gx_t`` on n): two Linears.
 An LSTM with ``proj_size`` adds ``h_t = m_t W_hr^T``, ``m_t = o_t * tanh(c_t)``: ``dW_hr = sum_t (dL/dh_t)^T m_t``.
 
-A layer is tapped once per call (:meth:`fastdp.nn.ghost.GhostClipping.tap`), so all layers and directions share
-one record. Its output is a *carrier*: zeros ``[B, T, L * D, width]`` (L layers, D directions; width 4H (+ proj_size)
-for the LSTM, ``[gx | gh]`` = 6H for the GRU, H for the RNN) that every recurrence takes as an input and whose
-gradient it returns as those G's, so after the backward the record holds, batch-first, every g above. The saved A
-are, per layer and direction, the layer's input x (after the dropout between layers), the states h_{t-1} that
-entered each step and, for ``proj_size``, the m_t.
+A layer is tapped once per call (:meth:`fastdp.nn.ghost.GhostClipping.tap`), so all layers and directions share one
+record. Its output is a *carrier* (:class:`_Carrier`): zeros ``[B, T, L * D, width]`` (L layers, D directions; width
+4H (+ proj_size) for the LSTM, ``[gx | gh]`` = 6H for the GRU, H for the RNN) that every recurrence takes as an
+input and whose gradient it returns as those G's, so after the backward the record holds, batch-first, every g
+above. The saved A are, per layer and direction, the layer's input x (after the dropout between layers), the states
+h_{t-1} that entered each step and, for ``proj_size``, the m_t.
 
 The recurrence (:class:`_Recurrence`) runs a time loop without autograd and writes its own backward through time:
 the input projections of all steps are one GEMM before it, each step one ``h W_hh^T`` GEMM and the gates; an
 autograd graph of the same loop (:func:`_reference_recurrence`, what forward-mode AD runs) costs 2.2 (LSTM) and 4.8
 (GRU) times as much, forward and backward (CPU, one thread, B 64, T 32, H 128: 9.4 against 20.6 ms and 7.3 against
-35 ms), in the bookkeeping of its small per-step ops. Inside, the layers run time-major (each step's rows
-contiguous), whatever ``batch_first`` says. Reverse directions and PackedSequences run in the input's time frame: a
-reverse direction walks the positions backwards, and a padded position (past a sequence's length) keeps the state
-unchanged, outputs zero and gets zero gradient, so with a reverse direction each sequence starts at its own last
-element, as torch's packed recurrence does.
+35 ms), in the bookkeeping of its small per-step ops. On CPU tensors of float32 or float64 the time loops are
+``fastdp._C``'s (csrc/cpu/recurrence_loop.cpp, the "recurrence" family of :mod:`fastdp._backend`): per step one GEMM
+and one fused kernel of the gates' elementwise math, forward and backward, in place of the torch loops' ~10 small
+kernels per step (dispatch of a few microseconds each, as much as the step's GEMM at B 64, H 128); the torch loops
+below run without the extension, with ``FASTDP_BACKEND=torch``, on CUDA, for half types and under torch.compile.
+Inside, the layers run time-major (each step's rows contiguous), whatever ``batch_first`` says; the extension's
+backward writes the carrier's gradient batch-first, in the carrier's own layout. Reverse directions and
+PackedSequences run in the input's time frame: a reverse direction walks the positions backwards, and a padded
+position (past a sequence's length) keeps the state unchanged, outputs zero and gets zero gradient, so with a
+reverse direction each sequence starts at its own last element, as torch's packed recurrence does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +52,7 @@ from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
+from fastdp import _backend, _ext
 from fastdp.nn.forms import Dense, Form, Outer
 from fastdp.nn.ghost import active_context
 from fastdp.nn.layers import (
@@ -286,6 +293,32 @@ def _rnn_backward(reverse, relu, d_out, d_h, states, w_hh, mask):
     return grad, grad, d_h, None
 
 
+_STALE_EXTENSION_WARNED = False
+
+
+def _extension(*tensors):
+    """``fastdp._C`` where its time loops run this recurrence (csrc/cpu/recurrence_loop.cpp: eager CPU tensors of
+    float32 or float64, and the "recurrence" family's backend is fastdp._C, as it is by default where it is built),
+    else None: the torch loops above (``FASTDP_BACKEND=torch``, no extension, CUDA, half types, torch.compile)."""
+    x = tensors[0]
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return None
+    if not _backend.eager([t for t in tensors if t is not None]) or _backend.select("recurrence", "cpu") != "cuda":
+        return None
+    if not hasattr(_ext._C, "lstm_forward"):
+        global _STALE_EXTENSION_WARNED
+        if not _STALE_EXTENSION_WARNED:
+            _STALE_EXTENSION_WARNED = True
+            warnings.warn(
+                "fastdp recurrence on cpu: fastdp._C was built without the recurrence kernels (an older build); "
+                f"the torch loops run instead. To get them, {_ext.BUILD_HINT}.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+    return _ext._C
+
+
 class _Recurrence(torch.autograd.Function):
     """One layer and direction of a recurrent module, its backward through time written out: the arguments and
     results of :func:`_reference_recurrence`, whose gradients it gives (the carrier's: the G's of the module
@@ -294,17 +327,31 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mode, reverse, gates_x, carrier, h0, c0, w_hh, b_hh, w_hr, mask):
+        ext = _extension(gates_x, h0, c0, w_hh, b_hh, w_hr)
         if mode == "LSTM":
-            states, kept = _lstm_forward(reverse, gates_x, h0, c0, w_hh, w_hr, mask)
+            if ext is not None:
+                states, cs, acts, tanh_c, ms = ext.lstm_forward(gates_x, h0, c0, w_hh, w_hr, mask, reverse)
+                kept = (acts, cs, tanh_c, ms, w_hh, w_hr, mask)
+            else:
+                states, kept = _lstm_forward(reverse, gates_x, h0, c0, w_hh, w_hr, mask)
             cs, ms = kept[1], kept[3]
             c_n = cs[0 if reverse else -1].clone()
         elif mode == "GRU":
-            states, kept = _gru_forward(reverse, gates_x, h0, w_hh, b_hh, mask)
+            if ext is not None:
+                states, rz, ns, gh_n = ext.gru_forward(gates_x, h0, w_hh, b_hh, mask, reverse)
+                kept = (rz, ns, gh_n, states, w_hh, mask)
+            else:
+                states, kept = _gru_forward(reverse, gates_x, h0, w_hh, b_hh, mask)
             c_n, ms = None, None
         else:
-            states, kept = _rnn_forward(reverse, gates_x, h0, w_hh, mode == "RNN_RELU", mask)
+            relu = mode == "RNN_RELU"
+            if ext is not None:
+                (states,) = ext.rnn_forward(gates_x, h0, w_hh, relu, mask, reverse)
+                kept = (states, w_hh, mask)
+            else:
+                states, kept = _rnn_forward(reverse, gates_x, h0, w_hh, relu, mask)
             c_n, ms = None, None
-        ctx.mode, ctx.reverse = mode, reverse
+        ctx.mode, ctx.reverse, ctx.ext = mode, reverse, ext
         ctx.set_materialize_grads(False)  # an unused output (often the sequence) gets no zeros to add per step
         ctx.state_shapes = (h0.shape, None if c0 is None else c0.shape)
         ctx.save_for_backward(*kept)
@@ -320,14 +367,79 @@ class _Recurrence(torch.autograd.Function):
         saved = ctx.saved_tensors
         h_shape, c_shape = ctx.state_shapes
         d_h = saved[0].new_zeros(h_shape) if d_h is None else d_h
+        ext = ctx.ext if ctx.ext is not None and _extension(saved[0], d_out, d_h, d_c) is not None else None
+        relu = ctx.mode == "RNN_RELU"
+        if ext is not None:  # the carrier's gradient batch-first [B, T, width], gates_x's a time-major view of it
+            if ctx.mode == "LSTM":
+                d_c = saved[0].new_zeros(c_shape) if d_c is None else d_c
+                grad, d_h0, d_c0 = ext.lstm_backward(d_out, d_h, d_c, *saved, ctx.reverse)
+                gates = saved[0].shape[2]
+            elif ctx.mode == "GRU":
+                (grad, d_h0), d_c0 = ext.gru_backward(d_out, d_h, *saved, ctx.reverse), None
+                gates = 3 * saved[1].shape[2]
+            else:
+                states, w_hh, mask = saved
+                (grad, d_h0), d_c0 = ext.rnn_backward(d_out, d_h, states, w_hh, relu, mask, ctx.reverse), None
+                gates = grad.shape[2]
+            grad_x = grad[..., :gates].transpose(0, 1)
+            return None, None, grad_x, grad, d_h0, d_c0, None, None, None, None
         if ctx.mode == "LSTM":
             d_c = saved[0].new_zeros(c_shape) if d_c is None else d_c
             grad, grad_x, d_h0, d_c0 = _lstm_backward(ctx.reverse, d_out, d_h, d_c, *saved)
         elif ctx.mode == "GRU":
             grad, grad_x, d_h0, d_c0 = _gru_backward(ctx.reverse, d_out, d_h, *saved)
         else:
-            grad, grad_x, d_h0, d_c0 = _rnn_backward(ctx.reverse, ctx.mode == "RNN_RELU", d_out, d_h, *saved)
+            grad, grad_x, d_h0, d_c0 = _rnn_backward(ctx.reverse, relu, d_out, d_h, *saved)
         return None, None, grad_x, grad.transpose(0, 1), d_h0, d_c0, None, None, None, None
+
+
+def _input_projection(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` at every position (W and b detached): oneDNN's linear where the recurrences' float32 steps run
+    on it (fastdp._C's ``recurrence_gemm``; CPU, B 64, T 32, d 64, 4H 512, one thread: 0.51 against F.linear's MKL
+    1.17 ms, its input gradient the same), else F.linear (also under forward-mode AD)."""
+    ext = _extension(x, w, bias)
+    if (
+        ext is None
+        or x.dtype != torch.float32
+        or forward_ad._current_level >= 0
+        or not hasattr(ext, "recurrence_gemm")
+        or ext.recurrence_gemm() != "onednn"
+    ):
+        return F.linear(x, w, bias)
+    return _OneDNNLinear.apply(x, w, bias)
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """``x W^T + b`` by oneDNN (torch's ``mkldnn::_linear_pointwise``) and the input's gradient ``g W`` by it too;
+    none for W and b (the recurrent layers' weights are detached: their gradients are the clipped sums)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias):
+        ctx.save_for_backward(w)
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], None)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        (w,) = ctx.saved_tensors
+        return torch.ops.mkldnn._linear_pointwise(grad, w.t().contiguous(), None, "none", [], None), None, None
+
+
+class _Carrier(torch.autograd.Function):
+    """The carrier (module docstring): zeros of ``shape``, one expanded zero (nothing filled; its value is read by
+    the reference recurrence only), that require grad and pass no gradient on. The tap's hook takes its gradient,
+    the G's; a leaf carrier would also accumulate that into its ``.grad``, a copy of every G in every step."""
+
+    @staticmethod
+    def forward(ctx, anchor, shape):
+        return anchor.new_zeros(()).expand(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return None, None
 
 
 def _recurrence(mode, reverse, gates_x, carrier, h0, c0, w_hh, b_hh, w_hr, mask):
@@ -399,10 +511,11 @@ class _Recurrent(DPLayer):
         gates = GATES[self.mode] * self.hidden_size
         width = {"LSTM": gates + self.proj_size, "GRU": 2 * gates}.get(self.mode, gates)
         # positions first: a PackedSequence's padding is then at the end of each example's row (the row probe's
-        # fingerprints of a row do not change when another example changes the longest length). One zero, expanded:
-        # its value is read by the reference recurrence only, and nothing is filled
-        carrier = x.new_zeros(()).expand(b, t, self.num_layers * directions, width).requires_grad_()
-        blocks = carrier.unbind(2)
+        # fingerprints of a row do not change when another example changes the longest length)
+        blocks_n = self.num_layers * directions
+        carrier = _Carrier.apply(x.new_zeros((), requires_grad=True), (b, t, blocks_n, width))
+        # one block: a view, whose backward is one too (unbind's stacks the blocks' gradients into a new tensor)
+        blocks = carrier.unbind(2) if blocks_n > 1 else (carrier.squeeze(2),)
         saved, h_n, c_n = [], [], []
         layer_in = x
         for layer in range(self.num_layers):
@@ -413,7 +526,13 @@ class _Recurrent(DPLayer):
                 bias = torch.cat([self._detached(f"bias_ih_l{layer}{s}") for s in suffixes])
                 if self.mode != "GRU":  # b_hh adds to the pre-activation as b_ih does (the GRU's: inside r_t * ...)
                     bias = bias + torch.cat([self._detached(f"bias_hh_l{layer}{s}") for s in suffixes])
-            gates_x = F.linear(layer_in, w_ih, bias).split(gates, 2)  # every position of both directions: one GEMM
+            # every position of both directions: one GEMM, on a batch-first input's own rows (its time-major view
+            # would take a batched GEMM); the recurrences read the projections in either layout
+            rows = layer_in.transpose(0, 1)
+            if rows.is_contiguous():
+                gates_x = _input_projection(rows, w_ih, bias).transpose(0, 1).split(gates, 2)
+            else:
+                gates_x = _input_projection(layer_in, w_ih, bias).split(gates, 2)
             a = layer_in.detach().transpose(0, 1)
             outs = []
             for k, suffix in enumerate(suffixes):
