@@ -117,6 +117,25 @@ def test_forming_in_the_hooks_lowers_the_peak(monkeypatch):
     assert formed < 0.85 * kept, (formed, kept)
 
 
+def test_certified_grams_never_copy_the_whole_batch_to_float64(monkeypatch):
+    """The certified ghost norm's float64 copies of A and G cover a few examples at a time: its live peak stays
+    below the inputs' own size (a whole-batch copy is twice their size in float64)."""
+    pytest.importorskip("torch.profiler._memory_profiler")
+    import sys
+    from pathlib import Path
+
+    from fastdp.ops import certified_ghost_norm_sq
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.modules.pop("harness", None)
+    import harness
+
+    a, g = torch.randn(64, 32, 128), torch.randn(64, 32, 384)  # an attention in-projection's A and G, 4 MiB
+    inputs = (a.numel() + g.numel()) * 4 / 2**20
+    peak = harness.live_peak_mb(lambda: certified_ghost_norm_sq(a, g)) - inputs
+    assert peak < 0.75 * inputs, (peak, inputs)
+
+
 def test_the_variant_drops_the_previous_gradient_before_its_forward():
     """p.grad of the last step is overwritten at the release: it must not be held through the next forward."""
     model = convert(_cnn())

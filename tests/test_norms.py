@@ -80,6 +80,20 @@ def test_reference_chunks_examples_exactly(monkeypatch):
     torch.testing.assert_close(whole, ref.per_example_grad_norm_sq(a, g), rtol=1e-12, atol=0)
 
 
+def test_certified_grams_copy_a_few_examples_at_a_time_exactly(monkeypatch):
+    """The certified Grams convert their inputs to float64 a few examples per pass (COPY_CHUNK_ELEMENTS): same bits,
+    whatever the pass size; a copy of the whole batch was the largest tensor of an attention classifier's step."""
+    a, g = _inputs(7, 9, 4, 3, torch.float32)
+    x, gx = torch.randn(7, 3, 6, 6), torch.randn(7, 5, 6, 6)
+    whole = ref.certified_ghost_norm_sq(a, g), ref.certified_conv_ghost_norm_sq(x, gx, (3, 3), (1, 1), (1, 1), (1, 1))
+    assert ref._certified_pass(81, 9 * 7) >= 7  # the whole batch in one pass
+    monkeypatch.setattr(ref, "COPY_CHUNK_ELEMENTS", 2 * 9 * 7)  # two examples per pass
+    assert ref._certified_pass(81, 9 * 7) == 2 and ref._certified_pass(1, 10**9) == 1
+    chunked = ref.certified_ghost_norm_sq(a, g), ref.certified_conv_ghost_norm_sq(x, gx, (3, 3), (1, 1), (1, 1), (1, 1))
+    for got, want in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @HYPOTHESIS
 @given(
     batch=st.integers(0, 3),

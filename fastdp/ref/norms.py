@@ -24,6 +24,10 @@ import torch
 
 CLIP_EPS = 1e-6
 GRAM_CHUNK_ELEMENTS = 1 << 22  # Gram entries per pass of ghost_norm_sq (two 16 MiB fp32 buffers)
+# float64 elements of the inputs' copies per pass of the certified Grams (2 MiB): a layer's A and G in float64 are
+# 2-4x their own size, and copying the whole batch at once was the largest tensor of a DP-SGD step on an attention
+# classifier (6 MiB of G's copy against a 10.9 MiB non-private step; docs/memory.md)
+COPY_CHUNK_ELEMENTS = 1 << 18
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -67,6 +71,12 @@ def rounding_gamma(n: int, dtype: torch.dtype) -> float:
     return _gamma(n, unit_roundoff(dtype))
 
 
+def _certified_pass(gram: int, copy: int) -> int:
+    """Examples per pass of a certified (float64) Gram: ``gram`` Gram entries and ``copy`` float64 input elements per
+    example, within :data:`GRAM_CHUNK_ELEMENTS` and :data:`COPY_CHUNK_ELEMENTS` (at least one example)."""
+    return max(1, min(GRAM_CHUNK_ELEMENTS // max(1, gram), COPY_CHUNK_ELEMENTS // max(1, copy)))
+
+
 def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bound, mass)``, both float64 [B]: ``bound[i] >= ||a_i^T g_i||_F^2`` for the exact per-example gradient of
     the values given, whatever the rounding, and ``mass[i] >= sum_t ||a_it|| ||g_it||`` (which bounds the norm too,
@@ -83,7 +93,7 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     b, seq, d = a.shape
     p = g.shape[2]
     u = unit_roundoff(acc)
-    chunk = max(1, GRAM_CHUNK_ELEMENTS // max(1, seq * seq))
+    chunk = _certified_pass(seq * seq, seq * (d + p))
     out = torch.empty(b, dtype=acc, device=a.device)
     mass = torch.empty(b, dtype=acc, device=a.device)
     for start in range(0, b, chunk):
@@ -92,6 +102,7 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
         out[start : start + chunk] = gram_a.mul_(torch.bmm(gc, gc.transpose(1, 2))).sum(dim=(1, 2))
         rows = torch.linalg.vector_norm(ac, dim=2) * torch.linalg.vector_norm(gc, dim=2)
         mass[start : start + chunk] = rows.sum(1)
+        del ac, gc, gram_a, rows  # before the next pass's copies
     mass = mass * (1 + _gamma(max(d, p) + seq + 4, u))  # the mass's own rounding, upward
     return out.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
 
@@ -127,7 +138,7 @@ def certified_conv_ghost_norm_sq(
     hp, wp = h + 2 * ph, w + 2 * pw
     d = c + kh * kw
     u = unit_roundoff(acc)
-    chunk = max(1, GRAM_CHUNK_ELEMENTS // max(1, (hp * wp) ** 2, seq * seq))
+    chunk = _certified_pass(max((hp * wp) ** 2, seq * seq), c * h * w + p * seq)
     out = torch.empty(n, dtype=acc, device=x.device)
     mass = torch.empty(n, dtype=acc, device=x.device)
     for start in range(0, n, chunk):
@@ -150,6 +161,7 @@ def certified_conv_ghost_norm_sq(
         rows = gram_a.diagonal(dim1=1, dim2=2).sqrt() * torch.linalg.vector_norm(gc, dim=1)
         mass[start : start + chunk] = rows.sum(1)
         out[start : start + chunk] = gram_a.mul_(torch.bmm(gc.transpose(1, 2), gc)).sum(dim=(1, 2))
+        del xc, pixels, shifted, gram_a, gc, rows  # before the next pass's copies
     mass = mass * (1 + _gamma(d + p + seq + 4, u))
     return out.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
 
