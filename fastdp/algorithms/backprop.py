@@ -18,6 +18,7 @@ import weakref
 
 import torch
 
+from fastdp._precision import exact_fp32
 from fastdp.algorithms.base import (
     SUMMED_IN_LOW_PRECISION,
     Batch,
@@ -97,7 +98,8 @@ class BackpropClip(Variant):
         self.prepare(model)
         check_backprop_supported(model)  # every step: train/eval mode and requires_grad can change after convert
         reset_calls(model)
-        sums, loss = summed_loss_gradients(model, self.loss_fn, batch, self._forward)
+        with exact_fp32():  # the weight gradients are the clipped sums: no TF32/bf16 rounding of the clipped rows
+            sums, loss = summed_loss_gradients(model, self.loss_fn, batch, self._forward)
         refuse_reused_layers(model)  # a layer called k times sums k clipped terms: k C1 C2, not the C1 C2 credited
         return sums, loss
 
@@ -113,7 +115,8 @@ class BackpropClip(Variant):
     def sums_of_output(self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
         """The front door's sums: one backward from the output gradient; the layers clip each example's inputs (C1)
         and upstream gradients (C2) on the way, as in :meth:`clipped_sum`."""
-        return gradient_sums(trainable_parameters(model), output, grad)
+        with exact_fp32():
+            return gradient_sums(trainable_parameters(model), output, grad)
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call, grad, vmap
 
+from fastdp._precision import exact_fp32
 from fastdp.algorithms.base import (
     Batch,
     Variant,
@@ -212,9 +213,10 @@ def clipped_sums_of_backward(
     if not isinstance(clip_norm, (int, float)):
         order = {id(m): i for i, m in enumerate(_check_per_layer(model, clip_norm))}
         clip_norm = [clip_norm[order[id(layer)]] for layer in run.layers]
-    layer_sums, shared_sums, loss, dropped = _clip_and_sum(run.layers, run.saved, run.grads_out, run.formed,
-                                                           run.losses, mask, clip_norm, scale, loss_scale,
-                                                           finite_only)  # fmt: skip
+    with exact_fp32():  # the sums' rounding allowance is IEEE float32's, whatever the user's TF32/bf16 settings
+        layer_sums, shared_sums, loss, dropped = _clip_and_sum(run.layers, run.saved, run.grads_out, run.formed,
+                                                               run.losses, mask, clip_norm, scale, loss_scale,
+                                                               finite_only)  # fmt: skip
     return run.by_parameter(layer_sums, shared_sums), loss, dropped
 
 
@@ -395,9 +397,11 @@ def clipped_gradient_sum(
                             for group in groups])  # fmt: skip
     factors = _factors(sq_norms, clip_norm) * (batch.mask.to(sq_norms.dtype) * scale)
     sums = [None] * len(params)
-    for group, c in zip(groups, factors, strict=True):
-        for i in group:
-            sums[i] = torch.einsum("b,b...->...", c.to(sum_dtype(params[i])), per_example[i].to(sum_dtype(params[i])))
+    with exact_fp32():  # TF32/bf16 products would round c_i and the gradients beyond the clip
+        for group, c in zip(groups, factors, strict=True):
+            for i in group:
+                sums[i] = torch.einsum("b,b...->...", c.to(sum_dtype(params[i])),
+                                       per_example[i].to(sum_dtype(params[i])))  # fmt: skip
     with torch.no_grad():
         loss = (loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y) * batch.mask).sum()
     return sums, loss

@@ -54,6 +54,7 @@ import weakref
 import torch
 from torch import nn
 
+from fastdp._precision import exact_fp32
 from fastdp.algorithms.base import (
     SUMMED_IN_LOW_PRECISION,
     Batch,
@@ -140,8 +141,9 @@ def jl_weights(
 
 def _clipped_sum(run: GhostBackward, weights: torch.Tensor, caches: list) -> list[torch.Tensor]:
     sums = []
-    for layer, saved, grad_out, cache in zip(run.layers, run.saved, run.grads_out, caches, strict=True):
-        sums.append(layer.clipped_grad_sums(saved, grad_out, weights.to(sum_dtype(grad_out)), cache))
+    with exact_fp32():  # the allowances are IEEE float32's, whatever the user's TF32/bf16 settings
+        for layer, saved, grad_out, cache in zip(run.layers, run.saved, run.grads_out, caches, strict=True):
+            sums.append(layer.clipped_grad_sums(saved, grad_out, weights.to(sum_dtype(grad_out)), cache))
     return run.by_parameter(sums)
 
 
