@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdp.ops import gemm_tn, rounding_gamma
+from fastdp.ops import rounding_gamma
 
 GRAM_CHUNK_ELEMENTS = 1 << 24  # float64 entries of the [b, T, T'] products formed at a time (128 MiB)
 
@@ -201,7 +201,7 @@ def clipped_sum(form: Form, factors: torch.Tensor, shape: torch.Size, dtype: tor
         return (c @ _rows(form.t).to(dtype)).reshape(shape)
     if isinstance(form, Outer):
         left = form.left.to(dtype) * c.reshape(-1, 1, 1)
-        return gemm_tn(left.reshape(-1, left.shape[2]), form.right.to(dtype).reshape(-1, form.right.shape[2])).reshape(
+        return (left.reshape(-1, left.shape[2]).t() @ form.right.to(dtype).reshape(-1, form.right.shape[2])).reshape(
             shape
         )
     g = (form.g.to(dtype) * c.reshape(-1, 1, 1)).reshape(-1, form.g.shape[2])

@@ -37,7 +37,6 @@ from fastdp.ops import (
     certified_ghost_norm_sq,
     certified_projections,
     certified_token_match_norm_sq,
-    gemm_tn,
     rounding_gamma,
 )
 
@@ -177,7 +176,7 @@ def _clipped_weight_sum(a: torch.Tensor, grad_out: torch.Tensor, factors: torch.
         g, scaled = grad_out.to(acc), _scale_rows(a, factors)
     else:
         g, scaled = _scale_rows(grad_out, factors), a.to(acc)
-    return gemm_tn(g.reshape(-1, g.shape[-1]), scaled.reshape(-1, scaled.shape[-1]))
+    return g.reshape(-1, g.shape[-1]).t() @ scaled.reshape(-1, scaled.shape[-1])
 
 
 def _scale_rows(grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,6 @@
 """fastdp's ``torch.library`` ops (namespace ``torch.ops.fastdp``) and their Python entry points."""
 
 from fastdp.ops.clip import clip_gradient, clip_rows
-from fastdp.ops.gemm import gemm_tn
 from fastdp.ops.noise import add_noise_, noisy_sgd_step_
 from fastdp.ops.norms import (
     certified_conv_ghost_norm_sq,
@@ -37,7 +36,6 @@ __all__ = [
     "clip_factors",
     "clip_gradient",
     "clip_rows",
-    "gemm_tn",
     "conv_lip_factor",
     "conv_operator_norm",
     "ghost_norm_sq",
