@@ -106,18 +106,21 @@ def _batch(cancel: float = 0.0, device: str = "cpu"):
     return Batch(x.to(device), y.to(device), torch.ones(64, dtype=torch.bool, device=device))
 
 
-@pytest.mark.parametrize("setting", SETTINGS[1:])
-def test_ghost_clipped_sums_of_one_backward_are_bitwise_the_same_under_any_setting(setting):
-    """The same A and G (one backward at full precision), the clip factors and the sums under the user's setting:
-    bit for bit those of IEEE float32."""
+def _sums_of_one_backward():
+    """A function giving the DP-SGD clipped sums of one fixed backward (A and G) of TokenConv on the cancelling
+    batch: what each call changes is only the clipping and the sums."""
     torch.manual_seed(0)
     model = convert(TokenConv())
     batch = _batch(cancel=1e5)
     run = ghost_backward(model, per_example_cross_entropy, batch, None, 1.0, None)
+    return lambda: clipped_sums_of_backward(model, run, batch.mask, 1.0, 1.0, 1.0, False)[0]
 
-    def sums():
-        return clipped_sums_of_backward(model, run, batch.mask, 1.0, 1.0, 1.0, False)[0]
 
+@pytest.mark.parametrize("setting", SETTINGS[1:])
+def test_ghost_clipped_sums_of_one_backward_are_bitwise_the_same_under_any_setting(setting):
+    """The same A and G (one backward at full precision), the clip factors and the sums under the user's setting:
+    bit for bit those of IEEE float32."""
+    sums = _sums_of_one_backward()
     exact = sums()
     with user_setting(setting):
         for got, want in zip(sums(), exact, strict=True):
@@ -159,14 +162,7 @@ def test_without_exact_fp32_a_reduced_precision_setting_changes_the_sums(monkeyp
     no setting changes them."""
     import fastdp.algorithms.dpsgd as dpsgd
 
-    torch.manual_seed(0)
-    model = convert(TokenConv())
-    batch = _batch(cancel=1e5)
-    run = ghost_backward(model, per_example_cross_entropy, batch, None, 1.0, None)
-
-    def sums():
-        return clipped_sums_of_backward(model, run, batch.mask, 1.0, 1.0, 1.0, False)[0]
-
+    sums = _sums_of_one_backward()
     exact = sums()
     monkeypatch.setattr(dpsgd, "exact_fp32", contextlib.nullcontext)
     changed = []
