@@ -185,3 +185,33 @@ def test_cancelling_examples_stay_within_the_bound_under_tf32_on_cuda(setting):
     batch = _batch(cancel=1e6, device="cuda")
     with user_setting(setting):
         assert leave_one_out(TokenConv().cuda(), batch.x, batch.y) <= 1 + 1e-5
+
+
+@pytest.mark.parametrize("setting", ["medium", "mkldnn-matmul-bf16"])
+def test_clipless_steps_run_in_ieee_float32(setting, monkeypatch):
+    """Clipless DP-SGD's bounds are analytic (Lipschitz constants, the input bound) on the exact forward and gradient,
+    with no per-example step to absorb rounding: its whole step (and the front door's forward and sums) runs in IEEE
+    float32, bitwise the same under a reduced-precision setting; without exact_fp32 the setting changes them."""
+    import fastdp.algorithms.clipless as clipless
+    from fastdp.algorithms import Clipless
+    from fastdp.nn.lipschitz import BoundedInput, GroupSort2, LipschitzLinear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(BoundedInput(5.0), LipschitzLinear(512, 512), GroupSort2(), LipschitzLinear(512, 10))
+    gen = torch.Generator().manual_seed(0)
+    batch = Batch(torch.randn(256, 512, generator=gen), torch.randint(0, 10, (256,), generator=gen),
+                  torch.ones(256, dtype=torch.bool))  # fmt: skip
+    variant = Clipless(1.0, 0.1, 2560)
+
+    def sums():
+        return variant.clipped_sum(model, batch, 0)[0]
+
+    exact = sums()
+    with user_setting(setting):
+        for got, want in zip(sums(), exact, strict=True):
+            assert torch.equal(got, want)
+    monkeypatch.setattr(clipless, "exact_fp32", contextlib.nullcontext)
+    with user_setting(setting):
+        changed = any(not torch.equal(g, w) for g, w in zip(sums(), exact, strict=True))
+    if not changed:
+        pytest.skip("this CPU runs float32 products at full precision under the setting (no bf16 units)")

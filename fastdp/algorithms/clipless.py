@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from fastdp._precision import exact_fp32
 from fastdp.algorithms.base import (
     SUMMED_IN_LOW_PRECISION,
     Batch,
@@ -116,7 +117,8 @@ class Clipless(Variant):
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         if self.input_bound is not None:  # enforce X_0 on the inputs (a per-example projection)
             batch = Batch(clip_rows(batch.x, self.input_bound), batch.y, batch.mask)
-        return summed_loss_gradients(model, self.loss_fn, batch, self._forward)
+        with exact_fp32():  # the analytic bounds leave no room for TF32/bf16 products (as for autocast, refused)
+            return summed_loss_gradients(model, self.loss_fn, batch, self._forward)
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         # the bounds are those of the weights the sums were computed with (the step has not changed them yet)
@@ -127,21 +129,24 @@ class Clipless(Variant):
     def output_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
         """The front door's forward: with ``input_bound`` X_0, the one input tensor projected onto the X_0 ball."""
         if self.input_bound is None:
-            return model(*args, **kwargs)
+            with exact_fp32():  # the activations' norms are in the bounds too
+                return model(*args, **kwargs)
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
             raise ValueError(
                 f"variant {self.name!r} with input_bound projects the model's input onto the X_0 ball, so the model "
                 "must be called with one batch-first tensor; for other inputs start the model with "
                 "fastdp.nn.lipschitz.BoundedInput and drop input_bound"
             )
-        return model(clip_rows(args[0], self.input_bound))
+        with exact_fp32():
+            return model(clip_rows(args[0], self.input_bound))
 
     def sums_of_output(self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
         """The front door's sums: each example's gradient w.r.t. its output row clipped to the loss's Lipschitz
         constant (a hair below, so that rounding cannot carry it above), which is what the bound rules credit the
         loss with, whatever loss the user computed; then one backward through the model."""
         bounded = clip_rows(grad, self.loss_fn.lipschitz * (1 - 2**-20))
-        return gradient_sums(trainable_parameters(model), output, bounded)
+        with exact_fp32():
+            return gradient_sums(trainable_parameters(model), output, bounded)
 
     def check_model(self, model: torch.nn.Module) -> None:
         """The Lipschitz bound rules (their refusal names every layer without one), before the row probe."""
