@@ -121,3 +121,41 @@ def test_the_models_above_take_the_gram_path():
     assert _use_ghost(16, 128, 8 * 9)  # ConvPool's conv: 4 x 4 output positions
     assert _pixel_gram_pays((6, 6), (4, 4), (0, 0), 9, 8)  # ... from the input pixels' Gram (stride 1)
     assert _use_ghost(2, 16, 8)  # TokenLinear's lin on cancelling_tokens' 2 positions
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.att, self.head = nn.MultiheadAttention(16, 2, batch_first=True), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.att(x, x, x, need_weights=False)[0].mean(1))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.rnn, self.head = getattr(nn, kind)(16, 16, batch_first=True), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0].mean(1))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["MultiheadAttention", "LSTM", "GRU"])
+def test_cancelling_tokens_through_attention_and_recurrences_stay_within_the_bound(kind, precision):
+    """Tokens ``+-s u`` (s up to 1e5) into nn.MultiheadAttention / nn.LSTM / nn.GRU, converted, in fp32 and under
+    bf16 autocast: one example's leave-one-out change of the release stays <= C."""
+    from fastdp.nn import convert
+
+    worst = 0.0
+    for seed in range(2):
+        for scale in (1e3, 1e5):
+            torch.manual_seed(seed)
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(6, 4, 16, generator=gen)
+            u = torch.randn(16, generator=gen)
+            x[0, 0], x[0, 1], x[0, 2], x[0, 3] = scale * u + x[0, 0], -scale * u, scale * u, -scale * u
+            model = convert(_Attention() if kind == "MultiheadAttention" else _Recurrent(kind))
+            worst = max(worst, leave_one_out(model, x, torch.randint(0, 3, (6,), generator=gen), precision))
+    assert worst <= 1 + 1e-5, f"one example moved the release by {worst} C"
