@@ -160,6 +160,40 @@ at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g) {
 #endif
 }
 
+// (dot, mass), float64 [B], of a [B, T, D] and g [B, T, P] on CPU (one dtype, last dimension contiguous): the
+// float64 Gram products and the mass of fastdp.ref.norms.certified_ghost_norm_sq, before its rounding bound.
+std::tuple<at::Tensor, at::Tensor> certified_ghost_norm_sq(const at::Tensor& a, const at::Tensor& g) {
+  TORCH_CHECK(a.dim() == 3 && g.dim() == 3, "fastdp certified_ghost_norm_sq: a and g must be [B, T, features], got ",
+              a.sizes(), " and ", g.sizes());
+  TORCH_CHECK(a.size(0) == g.size(0) && a.size(1) == g.size(1),
+              "fastdp certified_ghost_norm_sq: a and g must match in B and T, got ", a.sizes(), " and ", g.sizes());
+  TORCH_CHECK(a.scalar_type() == g.scalar_type(), "fastdp certified_ghost_norm_sq: a is ", a.scalar_type(),
+              " but g is ", g.scalar_type());
+  TORCH_CHECK(a.device().is_cpu() && g.device().is_cpu(), "fastdp certified_ghost_norm_sq: CPU tensors only, got ",
+              a.device(), " and ", g.device());
+  CertifiedKind kind = CertifiedKind::kFloat32;
+  switch (a.scalar_type()) {
+    case at::kFloat: kind = CertifiedKind::kFloat32; break;
+    case at::kDouble: kind = CertifiedKind::kFloat64; break;
+    case at::kHalf: kind = CertifiedKind::kFloat16; break;
+    case at::kBFloat16: kind = CertifiedKind::kBFloat16; break;
+    default:
+      TORCH_CHECK(false, "fastdp certified_ghost_norm_sq: a and g must be float32, float64, float16 or bfloat16, got ",
+                  a.scalar_type());
+  }
+  const at::Tensor x = a.stride(2) == 1 || a.size(2) <= 1 ? a : a.contiguous();
+  const at::Tensor y = g.stride(2) == 1 || g.size(2) <= 1 ? g : g.contiguous();
+  const GhostNormShape shape{a.size(0), a.size(1), a.size(2), g.size(2)};
+  const GhostStrides strides{x.stride(0), x.stride(1), y.stride(0), y.stride(1)};
+  const auto options = a.options().dtype(at::kDouble);
+  at::Tensor dot = at::empty({shape.batch}, options), mass = at::empty({shape.batch}, options);
+  if (shape.batch > 0) {
+    certified_ghost_norm_sq_cpu(x.data_ptr(), y.data_ptr(), shape, strides, kind, dot.data_ptr<double>(),
+                                mass.data_ptr<double>());
+  }
+  return {dot, mass};
+}
+
 // (norms, factors), fp32 [B], of sq_norms [L, B] (fp32, contiguous): norms = sqrt of the
 // column sums, factors = min(1, clip_norm / (norms + 1e-6)); NaN propagates.
 std::tuple<at::Tensor, at::Tensor> clip_factors(const at::Tensor& sq_norms, double clip_norm) {
@@ -581,6 +615,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seed"), py::arg("offset"), py::arg("num_draws"), py::arg("step"));
   m.def("ghost_norm_sq", &fastdp::ghost_norm_sq, "Per-example ghost norms ||a_b^T g_b||_F^2 of a Linear layer",
         py::arg("a"), py::arg("g"));
+  m.def("certified_ghost_norm_sq", &fastdp::certified_ghost_norm_sq,
+        "Float64 Gram products and masses (dot, mass) of the certified ghost norms on CPU", py::arg("a"),
+        py::arg("g"));
   m.def("clip_factors", &fastdp::clip_factors, "Per-example norms and DP-SGD clip factors from [L, B] squared norms",
         py::arg("sq_norms"), py::arg("clip_norm"));
   m.def("clip_rows", &fastdp::clip_rows, "Per-example row clipping of [B, C, P] to l2 (or l15) norm <= bound",

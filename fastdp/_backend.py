@@ -29,8 +29,9 @@ VALIDATED: dict[str, dict[str, tuple[str, ...]]] = {
     # CPU: the csrc/cpu kernel beats the torch reference (bench/bench_noise.py).
     # CUDA: no GPU test run recorded yet.
     "noise": {"cpu": ("cuda",), "cuda": ()},
-    # CPU: the csrc/cpu kernel, 1.0x the torch reference at T=64 and 1.75-3.7x at T=512-1024
-    # (bench/bench_norms.py, 2 threads, OpenMP build). CUDA: no GPU test run recorded yet.
+    # CPU: the csrc/cpu kernels, 1.0x the torch reference at T=64 and 1.75-3.7x at T=512-1024
+    # (bench/bench_norms.py, 2 threads, OpenMP build); the certified (float64) ghost norms 3-5x the reference's
+    # batched float64 GEMMs (tests/test_norms.py::test_certified_kernel_*). CUDA: no GPU test run recorded yet.
     "norms": {"cpu": ("cuda",), "cuda": ()},
     # CPU: the torch reference (no csrc/cpu kernel; the Triton interpreter is a test vehicle).
     # CUDA: no GPU test run recorded yet.

@@ -80,6 +80,93 @@ def test_reference_chunks_examples_exactly(monkeypatch):
     torch.testing.assert_close(whole, ref.per_example_grad_norm_sq(a, g), rtol=1e-12, atol=0)
 
 
+@pytest.fixture
+def certified_kernel(restore_backend):
+    """``fastdp._C``'s certified ghost-norm kernel with the extension selected (a failure when FASTDP_REQUIRE_EXT=1
+    and it was not built, else a skip)."""
+    import os
+
+    from fastdp import _ext
+
+    kernel = getattr(_ext._C, "certified_ghost_norm_sq", None)
+    if kernel is None:
+        if os.environ.get("FASTDP_REQUIRE_EXT") == "1":
+            pytest.fail("fastdp._C must be built with certified_ghost_norm_sq for this run")
+        pytest.skip("fastdp._C without the certified ghost-norm kernel")
+    fastdp.set_backend("cuda")
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "batch, seq, dim_a, dim_g",
+    [(5, 32, 19, 40), (3, 1, 5, 7), (4, 17, 3, 130), (2, 70, 9, 8), (3, 129, 6, 5), (2, 200, 33, 70), (0, 4, 2, 2)],
+)
+def test_certified_kernel_is_the_reference_to_rounding(certified_kernel, dtype, batch, seq, dim_a, dim_g):
+    """The tiled float64 kernel (upper triangles, several t-blocks from T 65 on, T not a multiple of its 16-row
+    panels) gives the reference's Gram products and masses to float64 rounding, in every input dtype, and the
+    certified bound of ops.certified_ghost_norm_sq that the reference's bound does."""
+    a, g = _inputs(batch, seq, dim_a, dim_g, dtype, seed=seq)
+    dot, mass = certified_kernel(a, g)
+    assert dot.dtype == mass.dtype == torch.float64 and dot.shape == mass.shape == (batch,)
+    exact = ref.per_example_grad_norm_sq(a.double(), g.double())
+    torch.testing.assert_close(dot, exact, rtol=1e-12, atol=0)
+    rows = (torch.linalg.vector_norm(a.double(), dim=2) * torch.linalg.vector_norm(g.double(), dim=2)).sum(1)
+    torch.testing.assert_close(mass, rows, rtol=1e-13, atol=0)
+    bound, rounded_mass = norms_op.certified_ghost_norm_sq(a, g)
+    expected = ref.certified_ghost_norm_sq(a, g)
+    torch.testing.assert_close(bound, expected[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(rounded_mass, expected[1], rtol=1e-13, atol=0)
+    assert (bound >= exact).all() and (rounded_mass >= rows).all()
+
+
+def test_certified_kernel_reads_strided_rows_and_ignores_the_thread_count(certified_kernel):
+    """Inputs whose rows are slices of wider tensors (a GRU's gate gradients) are read in place, with the bits of
+    their contiguous copies; 1 and 2 threads give the same bits (a fixed order per example)."""
+    gen = torch.Generator().manual_seed(3)
+    wide_a, wide_g = torch.randn(6, 40, 30, generator=gen), torch.randn(6, 40, 90, generator=gen)
+    a, g = wide_a[:, :, 5:25], wide_g[:, :, :64]
+    contiguous = certified_kernel(a.contiguous(), g.contiguous())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = certified_kernel(a, g)
+        torch.set_num_threads(2)
+        two = certified_kernel(a, g)
+    finally:
+        torch.set_num_threads(threads)
+    for x, y, z in zip(contiguous, one, two, strict=True):
+        assert torch.equal(x, y) and torch.equal(y, z)
+
+
+def test_certified_kernel_bounds_cancelling_positions(certified_kernel):
+    """Positions that cancel at large magnitude: the products are tiny against the terms, the bound still holds
+    (the exact norm in float64 of fp32 values is exact to 1e-16 here: d = p = 2)."""
+    a = torch.tensor([[[3e5, 1.0], [-3e5, 0.0], [1.0, 2.0]]])
+    g = torch.tensor([[[1.0, -2.0], [1.0, -2.0], [0.5, 0.25]]])
+    bound, mass = norms_op.certified_ghost_norm_sq(a, g)
+    exact = ref.per_example_grad_norm_sq(a.double(), g.double())
+    assert (bound >= exact).all() and bound.item() <= exact.item() + 1e-9 * mass.item() ** 2
+
+
+def test_certified_norms_run_the_reference_without_the_extension(restore_backend, monkeypatch):
+    """FASTDP_BACKEND=torch (and examples too large for a thread's panels) run the reference."""
+    calls = []
+    monkeypatch.setattr(ref, "certified_ghost_norm_sq", lambda a, g: calls.append(1) or (a, g))
+    a, g = _inputs(2, 8, 3, 4, torch.float32)
+    fastdp.set_backend("torch")
+    norms_op.certified_ghost_norm_sq(a, g)
+    assert calls == [1]
+    if getattr(fastdp._ext._C, "certified_ghost_norm_sq", None) is not None:
+        fastdp.set_backend("cuda")
+        monkeypatch.setattr(norms_op, "CERTIFIED_PACK_BYTES", 16 * 7 * 8 - 1)
+        norms_op.certified_ghost_norm_sq(a, g)
+        assert calls == [1, 1]
+        monkeypatch.setattr(norms_op, "CERTIFIED_PACK_BYTES", 16 * 7 * 8)
+        norms_op.certified_ghost_norm_sq(a, g)
+        assert calls == [1, 1]
+
+
 def test_certified_grams_copy_a_few_examples_at_a_time_exactly(monkeypatch):
     """The certified Grams convert their inputs to float64 a few examples per pass (COPY_CHUNK_ELEMENTS): same bits,
     whatever the pass size; a copy of the whole batch was the largest tensor of an attention classifier's step."""

@@ -28,43 +28,46 @@ namespace {
 constexpr int64_t kTile = kGhostTile;
 constexpr int kMR = 8;   // rows (t) of a micro-tile
 constexpr int kNR = 32;  // columns (s) of a micro-tile: two AVX-512 vectors
+constexpr int kNRd = 16;  // the same for the certified norms' float64 micro-tiles
 constexpr int64_t kChunk = 128;  // columns per pass over a Gram tile: two panel chunks (2 x 16 KiB) fit in L1
 constexpr int64_t kShortSeq = 32;  // up to here: row dot products (padding a tile would cost more)
-static_assert(kTile % kMR == 0 && kTile % kNR == 0, "micro-tiles must tile a Gram tile");
+static_assert(kTile % kMR == 0 && kTile % kNR == 0 && kTile % kNRd == 0, "micro-tiles must tile a Gram tile");
 
-// Packs rows [q0 * kNR, q1 * kNR) of x ([seq, k], row-major) as fp32 panels of kNR rows:
-// out[(q * k + c) * kNR + r] = x[q * kNR + r, c]; rows >= seq are zero. One k step of a
-// panel is kNR consecutive floats: what the micro-kernel streams on both sides.
-template <typename T>
-void pack_panels(const T* x, int64_t seq, int64_t k, int64_t q0, int64_t q1, float* out) {
+// Packs rows [q0 * NR, q1 * NR) of x ([seq, k], rows ld apart) as panels of NR rows of P
+// (fp32, or float64 for the certified norms): out[(q * k + c) * NR + r] = x[q * NR + r, c];
+// rows >= seq are zero. One k step of a panel is NR consecutive values: what the
+// micro-kernel streams on both sides.
+template <int NR, typename P, typename T>
+void pack_panels(const T* x, int64_t seq, int64_t k, int64_t ld, int64_t q0, int64_t q1, P* out) {
   for (int64_t q = q0; q < q1; ++q) {
-    float* panel = out + q * k * kNR;
-    const int64_t rows = std::min<int64_t>(kNR, seq - q * kNR);
-    const T* src = x + q * kNR * k;
+    P* panel = out + q * k * NR;
+    const int64_t rows = std::min<int64_t>(NR, seq - q * NR);
+    const T* src = x + q * NR * ld;
     for (int64_t c = 0; c < k; ++c) {
-      float* dst = panel + c * kNR;
-      for (int64_t r = 0; r < rows; ++r) dst[r] = static_cast<float>(src[r * k + c]);
-      for (int64_t r = rows; r < kNR; ++r) dst[r] = 0.0f;
+      P* dst = panel + c * NR;
+      for (int64_t r = 0; r < rows; ++r) dst[r] = static_cast<P>(src[r * ld + c]);
+      for (int64_t r = rows; r < NR; ++r) dst[r] = P(0);
     }
   }
 }
 
-// c[r * kTile + j] (+)= sum_{k < kc} at[k * kNR + r] * as[k * kNR + j], r < kMR, j < kNR:
+// c[r * kTile + j] (+)= sum_{k < kc} at[k * NR + r] * as[k * NR + j], r < kMR, j < NR:
 // one micro-tile of a Gram tile over a chunk of kc columns (at: kMR rows inside a panel,
 // as: a whole panel). Portable version.
-void micro_tile_generic(const float* at, const float* as, int64_t kc, float* c, bool accumulate) {
-  float acc[kMR][kNR];
+template <int NR, typename P>
+void micro_tile_generic(const P* at, const P* as, int64_t kc, P* c, bool accumulate) {
+  P acc[kMR][NR];
   for (int r = 0; r < kMR; ++r) {
-    for (int j = 0; j < kNR; ++j) acc[r][j] = accumulate ? c[r * kTile + j] : 0.0f;
+    for (int j = 0; j < NR; ++j) acc[r][j] = accumulate ? c[r * kTile + j] : P(0);
   }
   for (int64_t k = 0; k < kc; ++k) {
     for (int r = 0; r < kMR; ++r) {
-      const float v = at[k * kNR + r];
-      for (int j = 0; j < kNR; ++j) acc[r][j] += v * as[k * kNR + j];
+      const P v = at[k * NR + r];
+      for (int j = 0; j < NR; ++j) acc[r][j] += v * as[k * NR + j];
     }
   }
   for (int r = 0; r < kMR; ++r) {
-    for (int j = 0; j < kNR; ++j) c[r * kTile + j] = acc[r][j];
+    for (int j = 0; j < NR; ++j) c[r * kTile + j] = acc[r][j];
   }
 }
 
@@ -95,6 +98,32 @@ __attribute__((target("avx512f"))) void micro_tile_avx512(const float* at, const
   }
 }
 
+// The float64 micro-tile (certified norms): kMR rows x two 8-double vectors, 16 accumulators.
+__attribute__((target("avx512f"))) void micro_tile_f64_avx512(const double* at, const double* as, int64_t kc,
+                                                              double* c, bool accumulate) {
+  __m512d acc[kMR][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < kMR; ++r) {
+    acc[r][0] = accumulate ? _mm512_loadu_pd(c + r * kTile) : _mm512_setzero_pd();
+    acc[r][1] = accumulate ? _mm512_loadu_pd(c + r * kTile + 8) : _mm512_setzero_pd();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512d s0 = _mm512_loadu_pd(as + k * kNRd);
+    const __m512d s1 = _mm512_loadu_pd(as + k * kNRd + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < kMR; ++r) {
+      const __m512d v = _mm512_set1_pd(at[k * kNRd + r]);
+      acc[r][0] = _mm512_fmadd_pd(v, s0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_pd(v, s1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kMR; ++r) {
+    _mm512_storeu_pd(c + r * kTile, acc[r][0]);
+    _mm512_storeu_pd(c + r * kTile + 8, acc[r][1]);
+  }
+}
+
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f");
   return has;
@@ -103,26 +132,37 @@ bool cpu_has_avx512() {
 bool cpu_has_avx512() { return false; }
 #endif
 
+// One micro-tile of either precision: AVX-512 where the CPU has it, else portable loops.
+void micro_tile(bool avx512, const float* at, const float* as, int64_t kc, float* c, bool accumulate) {
+#ifdef FASTDP_NORMS_AVX512
+  if (avx512) return micro_tile_avx512(at, as, kc, c, accumulate);
+#endif
+  micro_tile_generic<kNR>(at, as, kc, c, accumulate);
+}
+
+void micro_tile(bool avx512, const double* at, const double* as, int64_t kc, double* c, bool accumulate) {
+#ifdef FASTDP_NORMS_AVX512
+  if (avx512) return micro_tile_f64_avx512(at, as, kc, c, accumulate);
+#endif
+  micro_tile_generic<kNRd>(at, as, kc, c, accumulate);
+}
+
 // Gram tile c[r * kTile + j] = x[t0 + r] . x[s0 + j] for r < row_groups * kMR and
-// j < col_panels * kNR, from the packed panels xp of x ([seq, k]). Columns go in chunks
+// j < col_panels * NR, from the packed panels xp of x ([seq, k]). Columns go in chunks
 // of kChunk so a panel chunk of each side stays in L1 while the micro-tiles use it.
-void gram_tile(const float* xp, int64_t k, int64_t t0, int64_t row_groups, int64_t s0, int64_t col_panels,
-               bool avx512, float* c) {
+// upper: skip the micro-tiles wholly below the diagonal (t > s), left unwritten.
+template <int NR, typename P>
+void gram_tile(const P* xp, int64_t k, int64_t t0, int64_t row_groups, int64_t s0, int64_t col_panels, bool avx512,
+               P* c, bool upper = false) {
   for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
     const int64_t kc = std::min(kChunk, k - k0);
     for (int64_t q = 0; q < col_panels; ++q) {
-      const float* as = xp + ((s0 / kNR + q) * k + k0) * kNR;
+      const P* as = xp + ((s0 / NR + q) * k + k0) * NR;
       for (int64_t i = 0; i < row_groups; ++i) {
         const int64_t row = t0 + i * kMR;
-        const float* at = xp + ((row / kNR) * k + k0) * kNR + row % kNR;
-        float* out = c + i * kMR * kTile + q * kNR;
-#ifdef FASTDP_NORMS_AVX512
-        if (avx512) {
-          micro_tile_avx512(at, as, kc, out, k0 > 0);
-          continue;
-        }
-#endif
-        micro_tile_generic(at, as, kc, out, k0 > 0);
+        if (upper && row > s0 + (q + 1) * NR - 1) continue;
+        const P* at = xp + ((row / NR) * k + k0) * NR + row % NR;
+        micro_tile(avx512, at, as, kc, c + i * kMR * kTile + q * NR, k0 > 0);
       }
     }
   }
@@ -139,8 +179,8 @@ double ghost_t_block(const float* ap, const float* gp, int64_t seq, int64_t d, i
   double total = 0.0;
   for (int64_t s0 = t0; s0 < seq; s0 += kTile) {
     const int64_t col_panels = (std::min(kTile, seq - s0) + kNR - 1) / kNR;
-    gram_tile(ap, d, t0, row_groups, s0, col_panels, avx512, ca);
-    gram_tile(gp, p, t0, row_groups, s0, col_panels, avx512, cg);
+    gram_tile<kNR>(ap, d, t0, row_groups, s0, col_panels, avx512, ca);
+    gram_tile<kNR>(gp, p, t0, row_groups, s0, col_panels, avx512, cg);
     float tile = 0.0f;  // padded rows and columns are zero in both tiles
     for (int64_t r = 0; r < row_groups * kMR; ++r) {
       for (int64_t j = 0; j < col_panels * kNR; ++j) tile += ca[r * kTile + j] * cg[r * kTile + j];
@@ -245,8 +285,8 @@ void ghost_norm_sq_typed(const T* a, const T* g, const GhostNormShape& shape, fl
       float* ap = buf.data();
       float* gp = ap + packed_a;
       for (int64_t b = begin; b < end; ++b) {
-        pack_panels(a + b * seq * d, seq, d, 0, panels, ap);
-        pack_panels(g + b * seq * p, seq, p, 0, panels, gp);
+        pack_panels<kNR>(a + b * seq * d, seq, d, d, 0, panels, ap);
+        pack_panels<kNR>(g + b * seq * p, seq, p, p, 0, panels, gp);
         double total = 0.0;
         for (int64_t k = 0; k < items; ++k) total += ghost_item(ap, gp, seq, d, p, k, avx512, gp + packed_g);
         out[b] = static_cast<float>(total);
@@ -260,8 +300,8 @@ void ghost_norm_sq_typed(const T* a, const T* g, const GhostNormShape& shape, fl
   std::vector<double> partial(static_cast<size_t>(items));
   for (int64_t b = 0; b < shape.batch; ++b) {
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      pack_panels(a + b * seq * d, seq, d, begin, end, ap);
-      pack_panels(g + b * seq * p, seq, p, begin, end, gp);
+      pack_panels<kNR>(a + b * seq * d, seq, d, d, begin, end, ap);
+      pack_panels<kNR>(g + b * seq * p, seq, p, p, begin, end, gp);
     });
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> tiles(static_cast<size_t>(2 * kTile * kTile));
@@ -271,6 +311,68 @@ void ghost_norm_sq_typed(const T* a, const T* g, const GhostNormShape& shape, fl
     for (int64_t k = 0; k < items; ++k) total += partial[k];
     out[b] = static_cast<float>(total);
   }
+}
+
+// ------------------------------------------------------------------ certified (float64) ghost norms
+//
+// The Grams of fastdp.ref.norms.certified_ghost_norm_sq in float64, tile by tile as above (no [T, T] buffers,
+// no float64 copy of the batch): each example packed once as float64 panels of kNRd rows (float32, float16 and
+// bfloat16 values convert exactly), the upper triangle only (micro-tiles of a diagonal tile wholly below its
+// diagonal are skipped; entries above it count twice). Per example:
+//   dot  = sum_t (a_t . a_t)(g_t . g_t) + 2 sum_{t<s} (a_t . a_s)(g_t . g_s)
+//   mass = sum_t sqrt(a_t . a_t) sqrt(g_t . g_t)
+// in float64 with FMAs, in a fixed order (independent of the thread count). The rounding bound of the reference
+// holds for any order of a dot product's or a sum's additions, so it applies unchanged (the caller adds it).
+
+// Adds one t-block's tiles (s-blocks >= tb) to dot, and its diagonal to mass. tiles: 2 kTile^2 doubles.
+void certified_t_block(const double* ap, const double* gp, int64_t seq, int64_t d, int64_t p, int64_t tb,
+                       bool avx512, double* tiles, double& dot, double& mass) {
+  double* ca = tiles;
+  double* cg = tiles + kTile * kTile;
+  const int64_t t0 = tb * kTile;
+  const int64_t rows = std::min(kTile, seq - t0);
+  const int64_t row_groups = (rows + kMR - 1) / kMR;
+  for (int64_t s0 = t0; s0 < seq; s0 += kTile) {
+    const int64_t cols = std::min(kTile, seq - s0);
+    const int64_t col_panels = (cols + kNRd - 1) / kNRd;
+    const bool diagonal = s0 == t0;
+    gram_tile<kNRd>(ap, d, t0, row_groups, s0, col_panels, avx512, ca, diagonal);
+    gram_tile<kNRd>(gp, p, t0, row_groups, s0, col_panels, avx512, cg, diagonal);
+    double above = 0.0;  // entries counted twice: the tile's strict upper triangle, or all of an off-diagonal tile
+    for (int64_t r = 0; r < rows; ++r) {
+      const double* ra = ca + r * kTile;
+      const double* rg = cg + r * kTile;
+      if (diagonal) {
+        dot += ra[r] * rg[r];
+        mass += std::sqrt(ra[r]) * std::sqrt(rg[r]);
+      }
+      for (int64_t j = diagonal ? r + 1 : 0; j < cols; ++j) above += ra[j] * rg[j];
+    }
+    dot += 2.0 * above;
+  }
+}
+
+template <typename T>
+void certified_ghost_typed(const T* a, const T* g, const GhostNormShape& shape, const GhostStrides& strides,
+                           double* dot, double* mass) {
+  const int64_t seq = shape.seq, d = shape.dim_a, p = shape.dim_g;
+  const int64_t panels = (seq + kNRd - 1) / kNRd;
+  const int64_t packed_a = panels * kNRd * d, packed_g = panels * kNRd * p;
+  const int64_t blocks = ghost_num_t_blocks(seq);
+  const bool avx512 = cpu_has_avx512();
+  at::parallel_for(0, shape.batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> buf(static_cast<size_t>(packed_a + packed_g + 2 * kTile * kTile));
+    double* ap = buf.data();
+    double* gp = ap + packed_a;
+    for (int64_t b = begin; b < end; ++b) {
+      pack_panels<kNRd>(a + b * strides.batch_a, seq, d, strides.row_a, 0, panels, ap);
+      pack_panels<kNRd>(g + b * strides.batch_g, seq, p, strides.row_g, 0, panels, gp);
+      double total = 0.0, rows = 0.0;
+      for (int64_t tb = 0; tb < blocks; ++tb) certified_t_block(ap, gp, seq, d, p, tb, avx512, gp + packed_g, total, rows);
+      dot[b] = total;
+      mass[b] = rows;
+    }
+  });
 }
 
 }  // namespace
@@ -306,6 +408,32 @@ void clip_factors_cpu(const float* sq, int64_t layers, int64_t batch, float clip
       factors[i] = f > 1.0f ? 1.0f : f;  // NaN > 1 is false: NaN stays NaN
     }
   });
+}
+
+
+void certified_ghost_norm_sq_cpu(const void* a, const void* g, const GhostNormShape& shape,
+                                 const GhostStrides& strides, CertifiedKind kind, double* dot, double* mass) {
+  if (shape.seq == 0 || shape.dim_a == 0 || shape.dim_g == 0) {
+    std::fill(dot, dot + shape.batch, 0.0);
+    std::fill(mass, mass + shape.batch, 0.0);
+    return;
+  }
+  switch (kind) {
+    case CertifiedKind::kFloat32:
+      certified_ghost_typed(static_cast<const float*>(a), static_cast<const float*>(g), shape, strides, dot, mass);
+      break;
+    case CertifiedKind::kFloat64:
+      certified_ghost_typed(static_cast<const double*>(a), static_cast<const double*>(g), shape, strides, dot, mass);
+      break;
+    case CertifiedKind::kFloat16:
+      certified_ghost_typed(static_cast<const c10::Half*>(a), static_cast<const c10::Half*>(g), shape, strides, dot,
+                            mass);
+      break;
+    case CertifiedKind::kBFloat16:
+      certified_ghost_typed(static_cast<const c10::BFloat16*>(a), static_cast<const c10::BFloat16*>(g), shape,
+                            strides, dot, mass);
+      break;
+  }
 }
 
 }  // namespace fastdp

@@ -178,12 +178,36 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     bound the norm of the contribution actually summed, whatever the rounding; this returns ``(bound, mass)``,
     float64 [B]: ``bound[i] >= ||a_i^T g_i||_F^2`` (float64 Grams plus a rigorous bound on their rounding) and
     ``mass[i] >= sum_t ||a_it|| ||g_it||`` (the size of the terms a sum of the example's contribution rounds). The
-    torch reference on every device (see ``fastdp.ref.norms.certified_ghost_norm_sq``). Arguments as
+    reference's math (``fastdp.ref.norms.certified_ghost_norm_sq``) on every device; on CPU its float64 Grams run
+    in ``fastdp._C``'s tiled kernel (no float64 copy of the batch, the upper triangle only; within
+    :data:`CERTIFIED_PACK_BYTES` per thread), the rounding bound added by the reference. Arguments as
     :func:`ghost_norm_sq`; detached.
     """
     _check_ghost(a, g)
     with torch.no_grad():
-        return ref.certified_ghost_norm_sq(a.detach(), g.detach())
+        a, g = a.detach(), g.detach()
+        kernel = _certified_kernel(a, g)
+        if kernel is None:
+            return ref.certified_ghost_norm_sq(a, g)
+        dot, mass = kernel(a, g)
+        return ref.certify_ghost(dot, mass, a.shape[2], g.shape[2], a.shape[1])
+
+
+# The most memory one thread's packed example may take in the certified CPU kernel (float64 panels of its T x
+# (d + p) values); larger examples run the reference, whose float64 copies are chunked.
+CERTIFIED_PACK_BYTES = 64 * 2**20
+
+
+def _certified_kernel(a: torch.Tensor, g: torch.Tensor):
+    """``fastdp._C.certified_ghost_norm_sq`` where it runs these inputs (eager CPU tensors, the "norms" family on the
+    extension, an example's panels within :data:`CERTIFIED_PACK_BYTES`), else None."""
+    kernel = getattr(_ext._C, "certified_ghost_norm_sq", None)
+    if kernel is None or a.device.type != "cpu" or not _backend.eager((a, g)):
+        return None
+    if _backend.select("norms", "cpu") != "cuda":
+        return None
+    rows = -(-a.shape[1] // 16) * 16  # the kernel's panels: T rounded up to 16 rows
+    return kernel if rows * (a.shape[2] + g.shape[2]) * 8 <= CERTIFIED_PACK_BYTES else None
 
 
 def certified_conv_ghost_norm_sq(

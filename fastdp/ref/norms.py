@@ -92,7 +92,6 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     acc = torch.float64
     b, seq, d = a.shape
     p = g.shape[2]
-    u = unit_roundoff(acc)
     chunk = _certified_pass(seq * seq, seq * (d + p))
     out = torch.empty(b, dtype=acc, device=a.device)
     mass = torch.empty(b, dtype=acc, device=a.device)
@@ -103,8 +102,17 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
         rows = torch.linalg.vector_norm(ac, dim=2) * torch.linalg.vector_norm(gc, dim=2)
         mass[start : start + chunk] = rows.sum(1)
         del ac, gc, gram_a, rows  # before the next pass's copies
+    return certify_ghost(out, mass, d, p, seq)
+
+
+def certify_ghost(dot: torch.Tensor, mass: torch.Tensor, d: int, p: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`certified_ghost_norm_sq`'s ``(bound, mass)`` from its float64 Gram products ``dot`` (``sum_{t,s}
+    (a_t . a_s)(g_t . g_s)`` as computed) and ``mass`` (``sum_t |a_t| |g_t|`` as computed) of [B, T, d] and
+    [B, T, p] inputs: the mass rounded up by its own rounding, the clamped products plus their rounding bound. The
+    bounds hold for any order of the dot products' and the sums' additions (``fastdp._C``'s kernel tiles them)."""
+    u = unit_roundoff(torch.float64)
     mass = mass * (1 + _gamma(max(d, p) + seq + 4, u))  # the mass's own rounding, upward
-    return out.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
+    return dot.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
 
 
 def certified_conv_ghost_norm_sq(
