@@ -430,3 +430,65 @@ def test_a_recurrent_layer_called_twice_equals_clipped_per_example_gradients(kin
     for s, e, (name, p) in zip(sums, expected, model.named_parameters(), strict=True):
         assert s.shape == p.shape
         torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-13, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class _Stacked(nn.Module):
+    """A 2-layer ``kind`` with dropout between the layers (batch-first), its per-example reference: the same weights
+    as two 1-layer modules with a fixed dropout mask applied between them by hand."""
+
+    def __init__(self, cls, kw, mask, p):
+        super().__init__()
+        self.rnn = cls(3, 4, num_layers=2, batch_first=True, dropout=p, **kw)
+        self.head = nn.Linear(self.rnn.proj_size or 4, 3)
+        self.mask, self.p = mask, p  # mask [T, B, H_out] (time-major, as fastdp's layers apply it)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0].sum(1))
+
+    def reference(self, x, rows):
+        """The output for the examples ``rows`` of the batch, the mask applied between the two layers by hand."""
+        rnn = self.rnn
+        kw = {"proj_size": rnn.proj_size} if rnn.proj_size else {}
+        if isinstance(rnn, nn.RNN):
+            kw["nonlinearity"] = rnn.nonlinearity
+        first = type(rnn)(3, 4, batch_first=True, **kw)
+        second = type(rnn)(rnn.proj_size or 4, 4, batch_first=True, **kw)
+        for k, layer in enumerate((first, second)):
+            for name in list(layer._parameters):
+                del layer._parameters[name]
+                setattr(layer, name, getattr(self.rnn, name.replace("_l0", f"_l{k}")))
+        hidden = first(x)[0] * self.mask[:, rows].transpose(0, 1) / (1 - self.p)
+        return self.head(second(hidden)[0].sum(1))
+
+
+@pytest.mark.parametrize("kind", ["lstm", "lstm-proj", "gru", "rnn-relu"])
+def test_dropout_between_layers_equals_clipped_per_example_gradients_with_the_same_mask(kind, loops, monkeypatch):
+    """``dropout`` between the layers of a converted recurrent module, training mode: the clipped sums are those of
+    the per-example gradients of the same function, dropout mask included (its rows are the examples' own)."""
+    cls, kw = KINDS[kind]
+    b, t, p = 5, 6, 0.4
+    gen = torch.Generator().manual_seed(7)
+    out_size = kw.get("proj_size", 4)
+    mask = (torch.rand(t, b, out_size, generator=gen) > p).double()
+    torch.manual_seed(0)
+    model = _Stacked(cls, kw, mask, p).double().train()
+    x = torch.randn(b, t, 3, generator=gen, dtype=torch.float64)
+    batch = Batch(x, torch.randint(0, 3, (b,), generator=gen), torch.ones(b, dtype=torch.bool))
+    params = [prm for prm in model.parameters()]
+    rows = [torch.autograd.grad(loss_fn(model.reference(x[i : i + 1], [i]), batch.y[i : i + 1]).sum(), params)
+            for i in range(b)]  # fmt: skip
+    grads = [torch.stack(g) for g in zip(*rows, strict=True)]
+    norms = sum(g.flatten(1).pow(2).sum(1) for g in grads).sqrt()
+    factors = (0.05 / (norms + 1e-6)).clamp(max=1.0)
+    expected = [torch.einsum("b,b...->...", factors, g) for g in grads]
+
+    def fixed_dropout(input, p_, training=True, inplace=False):
+        assert p_ == p and training and input.shape == mask.shape
+        return input * mask / (1 - p)
+
+    monkeypatch.setattr(torch.nn.functional, "dropout", fixed_dropout)
+    convert(model)
+    sums, _ = ghost_clipped_gradient_sum(model, loss_fn, batch, 0.05)
+    assert (factors < 1).any()
+    for s, e, (name, _) in zip(sums, expected, model.named_parameters(), strict=True):
+        torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-13, msg=lambda m, name=name: f"{name}: {m}")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import torch.nn.utils.parametrize
 from torch import nn
 
-from fastdp.nn.forms import Dense, Form, Outer, Rows
+from fastdp.nn.forms import Dense, Form, Outer, Rows, outer_sum
 from fastdp.nn.ghost import active_context
 from fastdp.ops import (
     certified_conv_ghost_norm_sq,
@@ -177,7 +177,7 @@ def _clipped_weight_sum(a: torch.Tensor, grad_out: torch.Tensor, factors: torch.
         g, scaled = grad_out.to(acc), _scale_rows(a, factors)
     else:
         g, scaled = _scale_rows(grad_out, factors), a.to(acc)
-    return g.reshape(-1, g.shape[-1]).t() @ scaled.reshape(-1, scaled.shape[-1])
+    return outer_sum(g.reshape(-1, g.shape[-1]), scaled.reshape(-1, scaled.shape[-1]))
 
 
 def _scale_rows(grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
