@@ -51,12 +51,15 @@ def small_model(name: str, features: int, classes: int, hidden: int = 16) -> nn.
                          nn.Linear(hidden, classes))  # fmt: skip
 
 
-def assert_ghost_is_reference(model, batch, clip=0.05, loss_fn=per_example_cross_entropy, atol=1e-13) -> nn.Module:
+def assert_ghost_is_reference(
+    model, batch, clip=0.05, loss_fn=per_example_cross_entropy, atol=1e-13, expected=None
+) -> nn.Module:
     """DP-SGD's clipped sums of ``model`` converted (one backward through DP layers) equal torch.func's per-example
-    gradients of the unconverted model, clipped and summed (float64: rtol 1e-10), with the per-example gradients
-    formed in the gradient hooks where smaller than A and G (the default) and with every A and G kept. Returns the
-    converted model."""
-    expected, _ = clipped_gradient_sum(copy.deepcopy(model), loss_fn, batch, clip)
+    gradients of the unconverted model, clipped and summed (float64: rtol 1e-10), or ``expected`` where given, with
+    the per-example gradients formed in the gradient hooks where smaller than A and G (the default) and with every A
+    and G kept. Returns the converted model."""
+    if expected is None:
+        expected, _ = clipped_gradient_sum(copy.deepcopy(model), loss_fn, batch, clip)
     model = convert(model)
     params = [p for p in model.parameters() if p.requires_grad]
     for budget in (DIRECT_MEMORY_BUDGET, None):
