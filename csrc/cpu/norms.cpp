@@ -72,55 +72,62 @@ void micro_tile_generic(const P* at, const P* as, int64_t kc, P* c, bool accumul
 }
 
 #ifdef FASTDP_NORMS_AVX512
-// The same with AVX-512 FMA: 16 accumulators (kMR rows x two 16-float vectors).
-__attribute__((target("avx512f"))) void micro_tile_avx512(const float* at, const float* as, int64_t kc, float* c,
-                                                          bool accumulate) {
-  __m512 acc[kMR][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < kMR; ++r) {
-    acc[r][0] = accumulate ? _mm512_loadu_ps(c + r * kTile) : _mm512_setzero_ps();
-    acc[r][1] = accumulate ? _mm512_loadu_ps(c + r * kTile + 16) : _mm512_setzero_ps();
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m512 s0 = _mm512_loadu_ps(as + k * kNR);
-    const __m512 s1 = _mm512_loadu_ps(as + k * kNR + 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < kMR; ++r) {
-      const __m512 v = _mm512_set1_ps(at[k * kNR + r]);
-      acc[r][0] = _mm512_fmadd_ps(v, s0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(v, s1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < kMR; ++r) {
-    _mm512_storeu_ps(c + r * kTile, acc[r][0]);
-    _mm512_storeu_ps(c + r * kTile + 16, acc[r][1]);
-  }
-}
+#define FASTDP_AVX512_INLINE __attribute__((target("avx512f"), always_inline)) inline
 
-// The float64 micro-tile (certified norms): kMR rows x two 8-double vectors, 16 accumulators.
-__attribute__((target("avx512f"))) void micro_tile_f64_avx512(const double* at, const double* as, int64_t kc,
-                                                              double* c, bool accumulate) {
-  __m512d acc[kMR][2];
+// One AVX-512 vector of P: float (16 lanes) for the ghost norms, double (8) for the certified ones.
+template <typename P>
+struct Avx512;
+
+template <>
+struct Avx512<float> {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  FASTDP_AVX512_INLINE static V load(const float* p) { return _mm512_loadu_ps(p); }
+  FASTDP_AVX512_INLINE static V zero() { return _mm512_setzero_ps(); }
+  FASTDP_AVX512_INLINE static V broadcast(float x) { return _mm512_set1_ps(x); }
+  FASTDP_AVX512_INLINE static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  FASTDP_AVX512_INLINE static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+
+template <>
+struct Avx512<double> {
+  using V = __m512d;
+  static constexpr int kLanes = 8;
+  FASTDP_AVX512_INLINE static V load(const double* p) { return _mm512_loadu_pd(p); }
+  FASTDP_AVX512_INLINE static V zero() { return _mm512_setzero_pd(); }
+  FASTDP_AVX512_INLINE static V broadcast(double x) { return _mm512_set1_pd(x); }
+  FASTDP_AVX512_INLINE static V fmadd(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  FASTDP_AVX512_INLINE static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+};
+
+static_assert(kNR == 2 * Avx512<float>::kLanes && kNRd == 2 * Avx512<double>::kLanes, "two vectors per micro-tile row");
+
+// The micro-tile with AVX-512 FMA: 16 accumulators (kMR rows x two vectors; NR = 2 vectors of lanes).
+template <typename P>
+__attribute__((target("avx512f"))) void micro_tile_avx512(const P* at, const P* as, int64_t kc, P* c,
+                                                          bool accumulate) {
+  using A = Avx512<P>;
+  constexpr int lanes = A::kLanes, nr = 2 * lanes;
+  typename A::V acc[kMR][2];
 #pragma GCC unroll 8
   for (int r = 0; r < kMR; ++r) {
-    acc[r][0] = accumulate ? _mm512_loadu_pd(c + r * kTile) : _mm512_setzero_pd();
-    acc[r][1] = accumulate ? _mm512_loadu_pd(c + r * kTile + 8) : _mm512_setzero_pd();
+    acc[r][0] = accumulate ? A::load(c + r * kTile) : A::zero();
+    acc[r][1] = accumulate ? A::load(c + r * kTile + lanes) : A::zero();
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const __m512d s0 = _mm512_loadu_pd(as + k * kNRd);
-    const __m512d s1 = _mm512_loadu_pd(as + k * kNRd + 8);
+    const typename A::V s0 = A::load(as + k * nr);
+    const typename A::V s1 = A::load(as + k * nr + lanes);
 #pragma GCC unroll 8
     for (int r = 0; r < kMR; ++r) {
-      const __m512d v = _mm512_set1_pd(at[k * kNRd + r]);
-      acc[r][0] = _mm512_fmadd_pd(v, s0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_pd(v, s1, acc[r][1]);
+      const typename A::V v = A::broadcast(at[k * nr + r]);
+      acc[r][0] = A::fmadd(v, s0, acc[r][0]);
+      acc[r][1] = A::fmadd(v, s1, acc[r][1]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < kMR; ++r) {
-    _mm512_storeu_pd(c + r * kTile, acc[r][0]);
-    _mm512_storeu_pd(c + r * kTile + 8, acc[r][1]);
+    A::store(c + r * kTile, acc[r][0]);
+    A::store(c + r * kTile + lanes, acc[r][1]);
   }
 }
 
@@ -135,14 +142,14 @@ bool cpu_has_avx512() { return false; }
 // One micro-tile of either precision: AVX-512 where the CPU has it, else portable loops.
 void micro_tile(bool avx512, const float* at, const float* as, int64_t kc, float* c, bool accumulate) {
 #ifdef FASTDP_NORMS_AVX512
-  if (avx512) return micro_tile_avx512(at, as, kc, c, accumulate);
+  if (avx512) return micro_tile_avx512<float>(at, as, kc, c, accumulate);
 #endif
   micro_tile_generic<kNR>(at, as, kc, c, accumulate);
 }
 
 void micro_tile(bool avx512, const double* at, const double* as, int64_t kc, double* c, bool accumulate) {
 #ifdef FASTDP_NORMS_AVX512
-  if (avx512) return micro_tile_f64_avx512(at, as, kc, c, accumulate);
+  if (avx512) return micro_tile_avx512<double>(at, as, kc, c, accumulate);
 #endif
   micro_tile_generic<kNRd>(at, as, kc, c, accumulate);
 }
