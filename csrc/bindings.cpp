@@ -160,6 +160,33 @@ at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g) {
 #endif
 }
 
+// Element kind of a certified-norm input (float32, float64, float16, bfloat16).
+CertifiedKind certified_kind(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return CertifiedKind::kFloat32;
+    case at::kDouble: return CertifiedKind::kFloat64;
+    case at::kHalf: return CertifiedKind::kFloat16;
+    case at::kBFloat16: return CertifiedKind::kBFloat16;
+    default:
+      TORCH_CHECK(false, "fastdp ", op, ": inputs must be float32, float64, float16 or bfloat16, got ",
+                  t.scalar_type());
+  }
+}
+
+// Float64 Grams [B, T, T] of rows x [B, T, K] on CPU, any strides (the certified norms' Grams).
+at::Tensor certified_gram(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3, "fastdp certified_gram: x must be [B, T, K], got ", x.sizes());
+  TORCH_CHECK(x.device().is_cpu(), "fastdp certified_gram: CPU tensors only, got ", x.device());
+  const CertifiedKind kind = certified_kind(x, "certified_gram");
+  const int64_t batch = x.size(0), seq = x.size(1), k = x.size(2);
+  at::Tensor out = at::empty({batch, seq, seq}, x.options().dtype(at::kDouble));
+  if (batch > 0) {
+    certified_gram_cpu(x.data_ptr(), batch, seq, k, GramStrides{x.stride(0), x.stride(1), x.stride(2)}, kind,
+                       out.data_ptr<double>());
+  }
+  return out;
+}
+
 // (dot, mass), float64 [B], of a [B, T, D] and g [B, T, P] on CPU (one dtype, last dimension contiguous): the
 // float64 Gram products and the mass of fastdp.ref.norms.certified_ghost_norm_sq, before its rounding bound.
 std::tuple<at::Tensor, at::Tensor> certified_ghost_norm_sq(const at::Tensor& a, const at::Tensor& g) {
@@ -171,16 +198,7 @@ std::tuple<at::Tensor, at::Tensor> certified_ghost_norm_sq(const at::Tensor& a, 
               " but g is ", g.scalar_type());
   TORCH_CHECK(a.device().is_cpu() && g.device().is_cpu(), "fastdp certified_ghost_norm_sq: CPU tensors only, got ",
               a.device(), " and ", g.device());
-  CertifiedKind kind = CertifiedKind::kFloat32;
-  switch (a.scalar_type()) {
-    case at::kFloat: kind = CertifiedKind::kFloat32; break;
-    case at::kDouble: kind = CertifiedKind::kFloat64; break;
-    case at::kHalf: kind = CertifiedKind::kFloat16; break;
-    case at::kBFloat16: kind = CertifiedKind::kBFloat16; break;
-    default:
-      TORCH_CHECK(false, "fastdp certified_ghost_norm_sq: a and g must be float32, float64, float16 or bfloat16, got ",
-                  a.scalar_type());
-  }
+  const CertifiedKind kind = certified_kind(a, "certified_ghost_norm_sq");
   const at::Tensor x = a.stride(2) == 1 || a.size(2) <= 1 ? a : a.contiguous();
   const at::Tensor y = g.stride(2) == 1 || g.size(2) <= 1 ? g : g.contiguous();
   const GhostNormShape shape{a.size(0), a.size(1), a.size(2), g.size(2)};
@@ -618,6 +636,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("certified_ghost_norm_sq", &fastdp::certified_ghost_norm_sq,
         "Float64 Gram products and masses (dot, mass) of the certified ghost norms on CPU", py::arg("a"),
         py::arg("g"));
+  m.def("certified_gram", &fastdp::certified_gram, "Float64 Grams [B, T, T] of rows [B, T, K] on CPU, any strides",
+        py::arg("x"));
   m.def("clip_factors", &fastdp::clip_factors, "Per-example norms and DP-SGD clip factors from [L, B] squared norms",
         py::arg("sq_norms"), py::arg("clip_norm"));
   m.def("clip_rows", &fastdp::clip_rows, "Per-example row clipping of [B, C, P] to l2 (or l15) norm <= bound",

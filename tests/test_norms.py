@@ -149,6 +149,45 @@ def test_certified_kernel_bounds_cancelling_positions(certified_kernel):
     assert (bound >= exact).all() and bound.item() <= exact.item() + 1e-9 * mass.item() ** 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("batch, seq, k", [(3, 37, 5), (2, 130, 9), (4, 1, 3), (2, 16, 0), (0, 5, 3)])
+def test_certified_gram_kernel_is_the_float64_gram_in_any_layout(certified_kernel, dtype, batch, seq, k):
+    """``fastdp._C.certified_gram``: the float64 Gram of rows read in any layout (rows contiguous, or columns
+    contiguous as a convolution's pixels), symmetric, to float64 rounding."""
+    from fastdp import _ext
+
+    gen = torch.Generator().manual_seed(seq)
+    for x in (torch.randn(batch, seq, k, generator=gen), torch.randn(batch, k, seq, generator=gen).transpose(1, 2)):
+        x = x.to(dtype)
+        out = _ext._C.certified_gram(x)
+        expected = torch.bmm(x.double(), x.double().transpose(1, 2))
+        assert out.dtype == torch.float64 and out.shape == (batch, seq, seq) and torch.equal(out, out.transpose(1, 2))
+        torch.testing.assert_close(out, expected, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "shape, kernel, stride, padding, dilation",
+    [((3, 4, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1)), ((2, 5, 9, 7), (2, 3), (1, 1), (0, 2), (2, 1)),
+     ((2, 3, 20, 20), (3, 3), (1, 1), (1, 1), (1, 1))],
+)  # fmt: skip
+def test_certified_conv_norms_with_the_gram_kernel_are_the_references(
+    certified_kernel, dtype, shape, kernel, stride, padding, dilation
+):
+    """The pixel-Gram certified bound with ``fastdp._C``'s Grams (20 x 20 pixels: 400-row Grams, several tiles)
+    equals the reference's (float64 copies and batched GEMMs) to rounding, channels-last input included."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=gen).to(dtype)
+    h_out = (shape[2] + 2 * padding[0] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    w_out = (shape[3] + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    g = torch.randn(shape[0], 6, h_out, w_out, generator=gen).to(dtype)
+    expected = ref.certified_conv_ghost_norm_sq(x, g, kernel, stride, padding, dilation)
+    for xi in (x, x.contiguous(memory_format=torch.channels_last)):
+        bound, mass = norms_op.certified_conv_ghost_norm_sq(xi, g, kernel, stride, padding, dilation)
+        torch.testing.assert_close(bound, expected[0], rtol=1e-12, atol=0)
+        torch.testing.assert_close(mass, expected[1], rtol=1e-13, atol=0)
+
+
 def test_certified_norms_run_the_reference_without_the_extension(restore_backend, monkeypatch):
     """FASTDP_BACKEND=torch (and examples too large for a thread's panels) run the reference."""
     calls = []

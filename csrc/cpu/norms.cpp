@@ -33,19 +33,19 @@ constexpr int64_t kChunk = 128;  // columns per pass over a Gram tile: two panel
 constexpr int64_t kShortSeq = 32;  // up to here: row dot products (padding a tile would cost more)
 static_assert(kTile % kMR == 0 && kTile % kNR == 0 && kTile % kNRd == 0, "micro-tiles must tile a Gram tile");
 
-// Packs rows [q0 * NR, q1 * NR) of x ([seq, k], rows ld apart) as panels of NR rows of P
+// Packs rows [q0 * NR, q1 * NR) of x ([seq, k]: element (r, c) at r * ld + c * cs) as panels of NR rows of P
 // (fp32, or float64 for the certified norms): out[(q * k + c) * NR + r] = x[q * NR + r, c];
 // rows >= seq are zero. One k step of a panel is NR consecutive values: what the
 // micro-kernel streams on both sides.
 template <int NR, typename P, typename T>
-void pack_panels(const T* x, int64_t seq, int64_t k, int64_t ld, int64_t q0, int64_t q1, P* out) {
+void pack_panels(const T* x, int64_t seq, int64_t k, int64_t ld, int64_t q0, int64_t q1, P* out, int64_t cs = 1) {
   for (int64_t q = q0; q < q1; ++q) {
     P* panel = out + q * k * NR;
     const int64_t rows = std::min<int64_t>(NR, seq - q * NR);
     const T* src = x + q * NR * ld;
     for (int64_t c = 0; c < k; ++c) {
       P* dst = panel + c * NR;
-      for (int64_t r = 0; r < rows; ++r) dst[r] = static_cast<P>(src[r * ld + c]);
+      for (int64_t r = 0; r < rows; ++r) dst[r] = static_cast<P>(src[r * ld + c * cs]);
       for (int64_t r = rows; r < NR; ++r) dst[r] = P(0);
     }
   }
@@ -382,6 +382,38 @@ void certified_ghost_typed(const T* a, const T* g, const GhostNormShape& shape, 
   });
 }
 
+// Float64 Grams out[b] = X_b X_b^T ([T, T], both triangles) of rows X_b [T, K] (element (t, c) of example b at
+// b * strides.batch + t * strides.row + c * strides.col): the tiles of certified_t_block, mirrored.
+template <typename T>
+void certified_gram_typed(const T* x, int64_t batch, int64_t seq, int64_t k, const GramStrides& strides, double* out) {
+  const int64_t panels = (seq + kNRd - 1) / kNRd;
+  const int64_t blocks = ghost_num_t_blocks(seq);
+  const bool avx512 = cpu_has_avx512();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> buf(static_cast<size_t>(panels * kNRd * k + kTile * kTile));
+    double* xp = buf.data();
+    double* tile = xp + panels * kNRd * k;
+    for (int64_t b = begin; b < end; ++b) {
+      pack_panels<kNRd>(x + b * strides.batch, seq, k, strides.row, 0, panels, xp, strides.col);
+      double* gram = out + b * seq * seq;
+      for (int64_t tb = 0; tb < blocks; ++tb) {
+        const int64_t t0 = tb * kTile, rows = std::min(kTile, seq - t0);
+        for (int64_t s0 = t0; s0 < seq; s0 += kTile) {
+          const int64_t cols = std::min(kTile, seq - s0);
+          const bool diagonal = s0 == t0;
+          gram_tile<kNRd>(xp, k, t0, (rows + kMR - 1) / kMR, s0, (cols + kNRd - 1) / kNRd, avx512, tile, diagonal);
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t j = diagonal ? r : 0; j < cols; ++j) {
+              gram[(t0 + r) * seq + s0 + j] = tile[r * kTile + j];
+              gram[(s0 + j) * seq + t0 + r] = tile[r * kTile + j];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void ghost_norm_sq_cpu(const void* a, const void* g, const GhostNormShape& shape, ScalarKind kind, float* out) {
@@ -439,6 +471,30 @@ void certified_ghost_norm_sq_cpu(const void* a, const void* g, const GhostNormSh
     case CertifiedKind::kBFloat16:
       certified_ghost_typed(static_cast<const c10::BFloat16*>(a), static_cast<const c10::BFloat16*>(g), shape,
                             strides, dot, mass);
+      break;
+  }
+}
+
+
+void certified_gram_cpu(const void* x, int64_t batch, int64_t seq, int64_t k, const GramStrides& strides,
+                        CertifiedKind kind, double* out) {
+  if (seq == 0) return;
+  if (k == 0) {
+    std::fill(out, out + batch * seq * seq, 0.0);
+    return;
+  }
+  switch (kind) {
+    case CertifiedKind::kFloat32:
+      certified_gram_typed(static_cast<const float*>(x), batch, seq, k, strides, out);
+      break;
+    case CertifiedKind::kFloat64:
+      certified_gram_typed(static_cast<const double*>(x), batch, seq, k, strides, out);
+      break;
+    case CertifiedKind::kFloat16:
+      certified_gram_typed(static_cast<const c10::Half*>(x), batch, seq, k, strides, out);
+      break;
+    case CertifiedKind::kBFloat16:
+      certified_gram_typed(static_cast<const c10::BFloat16*>(x), batch, seq, k, strides, out);
       break;
   }
 }

@@ -198,16 +198,25 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
 CERTIFIED_PACK_BYTES = 64 * 2**20
 
 
+def _extension_kernel(name: str, *tensors: torch.Tensor):
+    """``fastdp._C``'s CPU kernel ``name`` where it runs these tensors (eager CPU tensors, the "norms" family on the
+    extension), else None."""
+    kernel = getattr(_ext._C, name, None)
+    if kernel is None or tensors[0].device.type != "cpu" or not _backend.eager(tensors):
+        return None
+    return kernel if _backend.select("norms", "cpu") == "cuda" else None
+
+
+def _panels_fit(rows: int, columns: int) -> bool:
+    """Whether one example's float64 panels (``rows`` rounded up to 16) fit :data:`CERTIFIED_PACK_BYTES`."""
+    return -(-rows // 16) * 16 * columns * 8 <= CERTIFIED_PACK_BYTES
+
+
 def _certified_kernel(a: torch.Tensor, g: torch.Tensor):
-    """``fastdp._C.certified_ghost_norm_sq`` where it runs these inputs (eager CPU tensors, the "norms" family on the
-    extension, an example's panels within :data:`CERTIFIED_PACK_BYTES`), else None."""
-    kernel = getattr(_ext._C, "certified_ghost_norm_sq", None)
-    if kernel is None or a.device.type != "cpu" or not _backend.eager((a, g)):
-        return None
-    if _backend.select("norms", "cpu") != "cuda":
-        return None
-    rows = -(-a.shape[1] // 16) * 16  # the kernel's panels: T rounded up to 16 rows
-    return kernel if rows * (a.shape[2] + g.shape[2]) * 8 <= CERTIFIED_PACK_BYTES else None
+    """``fastdp._C.certified_ghost_norm_sq`` where it runs these inputs (:func:`_extension_kernel`, an example's
+    panels within :data:`CERTIFIED_PACK_BYTES`), else None."""
+    kernel = _extension_kernel("certified_ghost_norm_sq", a, g)
+    return kernel if kernel is not None and _panels_fit(a.shape[1], a.shape[2] + g.shape[2]) else None
 
 
 def certified_conv_ghost_norm_sq(
@@ -220,10 +229,14 @@ def certified_conv_ghost_norm_sq(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`certified_ghost_norm_sq` of a convolution's per-example weight gradient from the Gram of its input
     pixels (no im2col; K times fewer multiply-adds than the patch Gram at stride 1): ``(bound, mass)``, float64 [N],
-    for ``x`` [N, C, H, W] (unpadded input, one group per row) and ``g`` [N, p, H_out, W_out]. The torch reference on
-    every device (``fastdp.ref.norms.certified_conv_ghost_norm_sq``); detached."""
+    for ``x`` [N, C, H, W] (unpadded input, one group per row) and ``g`` [N, p, H_out, W_out]. The reference's math
+    (``fastdp.ref.norms.certified_conv_ghost_norm_sq``) on every device; on CPU its pixel and output-gradient Grams
+    come from ``fastdp._C``'s tiled float64 kernel (no float64 copies, upper triangles mirrored); detached."""
     with torch.no_grad():
-        return ref.certified_conv_ghost_norm_sq(x.detach(), g.detach(), kernel_size, stride, padding, dilation)
+        x, g = x.detach(), g.detach()
+        gram = _extension_kernel("certified_gram", x, g)
+        fit = _panels_fit(x.shape[2] * x.shape[3], x.shape[1]) and _panels_fit(g.shape[2] * g.shape[3], g.shape[1])
+        return ref.certified_conv_ghost_norm_sq(x, g, kernel_size, stride, padding, dilation, gram if fit else None)
 
 
 def certified_projections(

@@ -105,6 +105,12 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     return certify_ghost(out, mass, d, p, seq)
 
 
+def _gram64(rows: torch.Tensor) -> torch.Tensor:
+    """Float64 Grams [m, T, T] of rows [m, T, k]: a float64 copy and a batched GEMM."""
+    rows = rows.to(torch.float64)
+    return torch.bmm(rows, rows.transpose(1, 2))
+
+
 def certify_ghost(dot: torch.Tensor, mass: torch.Tensor, d: int, p: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`certified_ghost_norm_sq`'s ``(bound, mass)`` from its float64 Gram products ``dot`` (``sum_{t,s}
     (a_t . a_s)(g_t . g_s)`` as computed) and ``mass`` (``sum_t |a_t| |g_t|`` as computed) of [B, T, d] and
@@ -122,6 +128,7 @@ def certified_conv_ghost_norm_sq(
     stride: tuple[int, int],
     padding: tuple[int, int],
     dilation: tuple[int, int],
+    gram=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`certified_ghost_norm_sq` of a 2-D convolution's per-example weight gradient from the Gram of the input
     pixels, without unfolding the input: ``(bound, mass)``, float64 [N], ``bound[i] >= ||sum_t g_it a_it^T||_F^2``
@@ -136,9 +143,13 @@ def certified_conv_ghost_norm_sq(
     |x_u| |x_v|; adding the K shifted entries adds gamma_K of their absolute sum; so a patch Gram entry is within
     gamma_{C + K} sum_k |x_{u_k(t)}| |x_{u_k(s)}| <= gamma_{C + K} |a_t| |a_s| (Cauchy-Schwarz): the error model of
     :func:`certified_ghost_norm_sq` with d = C + K, whose bound ``gamma_{d + p + T^2 + 2} M^2`` is added here the
-    same way. ``|a_t|`` is the square root of the Gram's diagonal (relative error <= gamma_{C + K} / 2 + u); the
-    mass is rounded up by ``1 + gamma_{C + K + p + T + 4}``, which covers it with the norm of g, the products and
-    the sum over T."""
+    same way. ``|a_t|`` and ``|g_t|`` are the square roots of the Grams' diagonals (relative error <=
+    gamma_{C + K} / 2 + u, gamma_p / 2 + u); the mass is rounded up by ``1 + gamma_{C + K + p + T + 4}``, which covers
+    them, the products and the sum over T.
+
+    ``gram(rows)`` gives the float64 Grams [m, T, T] of rows [m, T, k] (any layout; any order of the dot products'
+    additions keeps the bound): by default float64 copies and a batched GEMM, on CPU ``fastdp._C.certified_gram``
+    (``fastdp.ops.certified_conv_ghost_norm_sq``)."""
     acc = torch.float64
     n, c, h, w = x.shape
     p, seq = g.shape[1], g.shape[2] * g.shape[3]
@@ -149,10 +160,11 @@ def certified_conv_ghost_norm_sq(
     chunk = _certified_pass(max((hp * wp) ** 2, seq * seq), c * h * w + p * seq)
     out = torch.empty(n, dtype=acc, device=x.device)
     mass = torch.empty(n, dtype=acc, device=x.device)
+    gram = gram or _gram64
     for start in range(0, n, chunk):
-        xc = x[start : start + chunk].to(acc).reshape(-1, c, h * w)
+        xc = x[start : start + chunk].reshape(-1, c, h * w)
         m = xc.shape[0]
-        pixels = torch.bmm(xc.transpose(1, 2), xc).view(m, h, w, h, w)
+        pixels = gram(xc.transpose(1, 2)).view(m, h, w, h, w)
         pixels = torch.nn.functional.pad(pixels, (pw, pw, ph, ph, pw, pw, ph, ph))  # [m, hp, wp, hp, wp]
         s = pixels.stride()
         gram_a = None
@@ -165,11 +177,11 @@ def certified_conv_ghost_norm_sq(
                 )
                 gram_a = shifted.clone() if gram_a is None else gram_a.add_(shifted)
         gram_a = gram_a.view(m, seq, seq)
-        gc = g[start : start + chunk].to(acc).reshape(m, p, seq)
-        rows = gram_a.diagonal(dim1=1, dim2=2).sqrt() * torch.linalg.vector_norm(gc, dim=1)
+        gram_g = gram(g[start : start + chunk].reshape(m, p, seq).transpose(1, 2))
+        rows = gram_a.diagonal(dim1=1, dim2=2).sqrt() * gram_g.diagonal(dim1=1, dim2=2).sqrt()
         mass[start : start + chunk] = rows.sum(1)
-        out[start : start + chunk] = gram_a.mul_(torch.bmm(gc.transpose(1, 2), gc)).sum(dim=(1, 2))
-        del xc, pixels, shifted, gram_a, gc, rows  # before the next pass's copies
+        out[start : start + chunk] = gram_a.mul_(gram_g).sum(dim=(1, 2))
+        del xc, pixels, shifted, gram_a, gram_g, rows  # before the next pass's Grams
     mass = mass * (1 + _gamma(d + p + seq + 4, u))
     return out.clamp_min(0) + _gamma(d + p + seq * seq + 2, u) * mass * mass, mass
 
