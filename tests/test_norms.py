@@ -188,6 +188,26 @@ def test_certified_conv_norms_with_the_gram_kernel_are_the_references(
         torch.testing.assert_close(mass, expected[1], rtol=1e-13, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_certified_token_match_norms_with_the_gram_kernel_are_the_references(certified_kernel, dtype):
+    """The embedding's certified bound with ``fastdp._C``'s Gram equals the reference's to rounding (repeated tokens,
+    cancelling rows, T of several tiles)."""
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, 5, (4, 70), generator=gen)
+    g = torch.randn(4, 70, 9, generator=gen)
+    idx[0] = 3
+    g[0, 1::2] = -g[0, 0::2]  # one token, rows cancelling in pairs
+    g = g.to(dtype)
+    expected = ref.certified_token_match_norm_sq(idx, g)
+    bound, mass = norms_op.certified_token_match_norm_sq(idx, g)
+    torch.testing.assert_close(bound, expected[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mass, expected[1], rtol=1e-13, atol=0)
+    exact = torch.zeros(4, 5, 9, dtype=torch.float64).index_put_(
+        (torch.arange(4).unsqueeze(1).expand(4, 70), idx), g.double(), accumulate=True
+    )
+    assert (bound >= exact.pow(2).sum((1, 2))).all()
+
+
 def test_certified_norms_run_the_reference_without_the_extension(restore_backend, monkeypatch):
     """FASTDP_BACKEND=torch (and examples too large for a thread's panels) run the reference."""
     calls = []

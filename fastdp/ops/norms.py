@@ -253,10 +253,13 @@ rounding_gamma = ref.rounding_gamma
 
 def certified_token_match_norm_sq(idx: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`certified_ghost_norm_sq` for an embedding's per-example gradient (rows of ``g`` [B, T, dim] scattered by
-    the token ids ``idx`` [B, T]): ``(bound, mass)``, float64 [B] (``fastdp.ref.norms.certified_token_match_norm_sq``);
-    detached."""
+    the token ids ``idx`` [B, T]): ``(bound, mass)``, float64 [B] (``fastdp.ref.norms.certified_token_match_norm_sq``;
+    on CPU its Gram from ``fastdp._C.certified_gram``); detached."""
     with torch.no_grad():
-        return ref.certified_token_match_norm_sq(idx.detach(), g.detach())
+        g = g.detach()
+        gram = _extension_kernel("certified_gram", g)
+        fit = _panels_fit(g.shape[1], g.shape[2])
+        return ref.certified_token_match_norm_sq(idx.detach(), g, gram if fit else None)
 
 
 def clip_factors(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:

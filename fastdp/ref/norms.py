@@ -207,18 +207,20 @@ def certified_projections(
     return p, rounding_gamma(positions + n + 2, acc) * v_norm * mass.to(acc)
 
 
-def certified_token_match_norm_sq(idx: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def certified_token_match_norm_sq(idx: torch.Tensor, g: torch.Tensor, gram=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`certified_ghost_norm_sq` for an embedding: ``(bound, mass)``, float64 [B], with ``bound[i] >=
     sum_{t,s} [idx_t == idx_s] (g_t . g_s)`` (the squared norm of the per-example gradient, rows scattered by token)
-    and ``mass[i] >= sum_t |g_t|``: the Gram of one-hot inputs (|a_t| = 1), the same rigorous rounding bound.
-    idx: [B, T] token ids, g: [B, T, dim] (padding rows zeroed)."""
+    and ``mass[i] >= sum_t |g_t|``: the Gram of one-hot inputs (|a_t| = 1), the same rigorous rounding bound; |g_t|
+    from the Gram's diagonal (relative error <= gamma_dim / 2 + u, within the mass's rounding allowance).
+    idx: [B, T] token ids, g: [B, T, dim] (padding rows zeroed); ``gram`` as for
+    :func:`certified_conv_ghost_norm_sq`."""
     acc = torch.float64
     dim, seq = g.shape[2], g.shape[1]
     u = unit_roundoff(acc)
-    g64 = g.to(acc)
+    gram_g = (gram or _gram64)(g)
     same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(acc)  # [B, T, T]
-    exact = (same * torch.bmm(g64, g64.transpose(1, 2))).sum((1, 2))
-    mass = torch.linalg.vector_norm(g64, dim=2).sum(1) * (1 + _gamma(dim + seq + 4, u))
+    exact = (same * gram_g).sum((1, 2))
+    mass = gram_g.diagonal(dim1=1, dim2=2).sqrt().sum(1) * (1 + _gamma(dim + seq + 4, u))
     return exact.clamp_min(0) + _gamma(dim + seq * seq + 2, u) * mass * mass, mass
 
 
