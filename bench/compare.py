@@ -17,7 +17,9 @@ against the variant API interleaved in one process (paired rounds), for its over
 Each (provider, workload) runs in a fresh subprocess (``compare.py --worker JOB``; ``compare_tf.py`` for
 tf-privacy), so import side effects, allocator caches and peak-memory counters never leak from one library into
 another. The price: providers are timed one after the other, not interleaved, so on a shared machine the ratios
-carry the load drift between processes (the provider order rotates from workload to workload).
+carry the load drift between processes (the provider order rotates from workload to workload). ``--rounds N``
+repeats every fixed-batch job N times, alternating the providers (the order rotated each round), and reports the
+round with the median time (all rounds' medians in ``round_ms``): the drift then reaches every provider alike.
 
 Workloads: bench_dpsgd.py's (imported from it: MLP 784-512-512-10 at batch 256 and 4096, Opacus' MNIST CNN, a token
 transformer with T = 64 and 512, ResNet-18-GN at B 32, and real architectures unmodified: transformers GPT-2 2 x 128
@@ -107,7 +109,8 @@ COLUMNS = [
     "workload", "params", "provider", "library", "library_version", "batch", "status", "median_ms", "p20_ms",
     "p80_ms", "time_vs_nonprivate", "peak_mem_mb", "mem_kind", "mem_vs_nonprivate", "peak_live_mb",
     "live_vs_nonprivate", "largest_batch", "stopped_by",
-    "repeats", "micro_batch", "examples_per_s", "note", "device", "threads", "torch", "python", "date",
+    "repeats", "rounds", "round_ms", "micro_batch", "examples_per_s", "note", "device", "threads", "torch", "python",
+    "date",
 ]  # fmt: skip
 
 
@@ -497,6 +500,30 @@ def settings(args: argparse.Namespace, device_type: str) -> dict:
     )
 
 
+def _rotated(providers: list[str], k: int) -> list[str]:
+    """``providers`` starting at index ``k`` (mod their number): each workload, and each round, starts elsewhere."""
+    k %= len(providers)
+    return providers[k:] + providers[:k]
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (provider, batch) of a workload run in several rounds (``--rounds``): of the rounds that ran
+    ("ok"), the one with the median step time (the lower of the two middle ones for an even count), with every
+    round's median in ``round_ms``; a provider that never ran keeps its first row (skipped, n/a, error)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["provider"], r["batch"]), []).append(r)
+    merged = []
+    for group in groups.values():
+        ok = [r for r in group if r.get("status") == "ok"]
+        if not ok:
+            merged.append(group[0])
+            continue
+        middle = sorted(ok, key=lambda r: r["median_ms"])[(len(ok) - 1) // 2]
+        merged.append(dict(middle, rounds=len(ok), round_ms=";".join(f"{r['median_ms']:.2f}" for r in ok)))
+    return merged
+
+
 def add_ratios(rows: list[dict]) -> None:
     """time/memory ratios to nonprivate at the same (workload, batch); largest batch per (workload, provider)."""
     base = {(r["workload"], r["batch"]): r for r in rows if r["provider"] == "nonprivate" and r["status"] == "ok"}
@@ -614,6 +641,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="override the batch of bench_dpsgd's workloads")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per fixed-batch job (CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps before timing (CPU)")
+    parser.add_argument("--rounds", type=int, default=1, help="fixed-batch workloads: run every provider this many "
+                        "times, alternating (each round a fresh process per provider, the order rotated), and report "
+                        "the round with the median time: the machine's drift between processes then affects every "
+                        "provider alike")  # fmt: skip
     parser.add_argument("--growth-repeats", type=int, default=None, help="timed steps per batch in growth jobs (CPU)")
     parser.add_argument("--start-batch", type=int, default=None, help="first batch of the growth workloads (32)")
     parser.add_argument("--max-batch", type=int, default=None, help="last batch (CPU 4096; GPU, --full 50000)")
@@ -651,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.micro_batch is not None and args.micro_batch < 1:
         parser.error(f"--micro-batch must be >= 1, got {args.micro_batch}")
 
@@ -697,8 +730,9 @@ def main(argv: list[str] | None = None) -> int:
             batches = growth_batches(conf["start_batch"], conf["max_batch"])
         else:
             batches = [args.batch or default_batch]
-        order = providers[index % len(providers) :] + providers[: index % len(providers)]
-        for provider in order:
+        rounds = 1 if growth else args.rounds
+        first_row = len(rows)
+        for provider in (p for k in range(rounds) for p in _rotated(providers, index + k)):
             base = dict(info, workload=workload, provider=provider, library=PROVIDERS[provider], params=params,
                         batch=batches[0], growth=growth)  # fmt: skip
             status, reason = ("skipped", unavailable[provider]) if provider in unavailable else ("n/a", None)
@@ -746,6 +780,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(
                     dict(base, batch=failed, status=status, note=error[:300], stopped_by=f"{status} at {failed}")
                 )
+        if rounds > 1:
+            rows[first_row:] = merge_rounds(rows[first_row:])
     for r in rows:
         r.setdefault("median_ms", float("nan"))
         r.setdefault("peak_mem_mb", float("nan"))

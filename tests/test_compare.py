@@ -218,3 +218,37 @@ def test_live_peak_counts_the_tensors_alive_at_once(compare):
         return c.sum()
 
     assert 16 <= harness.live_peak_mb(step) < 17
+
+
+def test_rounds_alternate_the_providers_and_report_the_median_round(compare, monkeypatch, tmp_path):
+    """``--rounds 3``: each provider runs three times, each in its own process, the order rotated per round; the CSV
+    has one row per provider, the round with the median time, and every round's median in ``round_ms``."""
+    calls = []
+    real_run_job = compare.run_job
+
+    def spy(job, python, script, timeout, memory_cap_mb=0):
+        rows, error = real_run_job(job, python, script, timeout, memory_cap_mb)
+        calls.append((job["provider"], rows[0]["pid"], rows[0]["median_ms"]))
+        return rows, error
+
+    monkeypatch.setattr(compare, "run_job", spy)
+    out = tmp_path / "cpu-compare.csv"
+    argv = ["--device", "cpu", "--workloads", "mlp-256", "--providers", "nonprivate", "fastdp-dpsgd", "--batch", "8",
+            "--repeats", "2", "--warmup", "1", "--rounds", "3", "--out", str(out)]  # fmt: skip
+    assert compare.main(argv) == 0
+    assert [p for p, _, _ in calls] == ["nonprivate", "fastdp-dpsgd", "fastdp-dpsgd", "nonprivate"] + [
+        "nonprivate",
+        "fastdp-dpsgd",
+    ]
+    assert len({pid for _, pid, _ in calls}) == 6
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["provider"], r["rounds"]) for r in rows] == [("nonprivate", "3"), ("fastdp-dpsgd", "3")]
+    for r in rows:
+        times = sorted(ms for p, _, ms in calls if p == r["provider"])
+        assert [float(t) for t in r["round_ms"].split(";")] == pytest.approx(
+            [ms for p, _, ms in calls if p == r["provider"]], abs=0.006
+        )
+        assert float(r["median_ms"]) == pytest.approx(times[1], abs=6e-4)  # written with .3f
+    with pytest.raises(SystemExit):
+        compare.main(["--rounds", "0"])
