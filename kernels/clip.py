@@ -399,11 +399,13 @@ def hopper_compile_specs():
             for mode, tile in ((MODE_ONE_BLOCK, one_tile), (MODE_ROW, loop_tile), (MODE_SPLIT, loop_tile)):
                 constexprs = {"MODE": mode, "L15": l15, "BLOCK_C": tile[0], "BLOCK_P": tile[1], "CHUNKS_BLOCK": 64,
                               "TINY": TINY}  # fmt: skip
+                launch = {"num_warps": _num_warps(dict(mode=mode, tile=tile))}  # as _launch passes it
                 specs.append(
                     (
                         _clip_rows_kernel,
                         {"x_ptr": ptr, "y_ptr": ptr, "partial_ptr": "*fp32", **geometry, "bound": "fp32"},
                         constexprs,
+                        launch,
                     )
                 )
                 specs.append(
@@ -412,6 +414,7 @@ def hopper_compile_specs():
                         {"g_ptr": ptr, "x_ptr": ptr, "dx_ptr": ptr, "partial_ptr": "*fp32", **geometry,
                          "bound": "fp32"},
                         constexprs,
+                        launch,
                     )
                 )  # fmt: skip
     return specs

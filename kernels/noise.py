@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-from fastdp.kernels import INTERPRET
+from fastdp.kernels import INTERPRET, device_table
 
 BLOCK = 1024  # elements per inner block (256 Philox groups of 4)
 CHUNK = 16384  # elements per program of the list kernel
@@ -177,8 +177,7 @@ def _launch_list(grads, params, stds, starts, seed, offset, num_draws, step) -> 
     first = [0]
     for count in chunks[:-1]:
         first.append(first[-1] + count)
-    pin = device.type == "cuda"
-    table = torch.tensor(
+    table = device_table(
         [
             [g.data_ptr() for g in grads],
             [p.data_ptr() for p in params] if fused else [0] * len(grads),
@@ -186,14 +185,13 @@ def _launch_list(grads, params, stds, starts, seed, offset, num_draws, step) -> 
             list(starts),
             first,
         ],
-        dtype=torch.int64,
-        pin_memory=pin,
+        torch.int64,
+        device,
     )
-    chunk_tensor = torch.repeat_interleave(torch.arange(len(grads), dtype=torch.int32), torch.tensor(chunks))
-    std_table = torch.tensor(stds, dtype=torch.float32, pin_memory=pin)
-    table = table.to(device, non_blocking=True)
-    chunk_tensor = (chunk_tensor.pin_memory() if pin else chunk_tensor).to(device, non_blocking=True)
-    std_table = std_table.to(device, non_blocking=True)
+    chunk_tensor = device_table(
+        torch.repeat_interleave(torch.arange(len(grads), dtype=torch.int32), torch.tensor(chunks)), torch.int32, device
+    )
+    std_table = device_table(stds, torch.float32, device)
     _noise_list_kernel[(sum(chunks),)](
         table[0], table[1], table[2], table[3], table[4], std_table, chunk_tensor, seed, offset, float(step),
         DTYPE=_TL_DTYPES[grads[0].dtype], CHUNK=CHUNK, BLOCK=BLOCK, NUM_DRAWS=num_draws, FUSED=fused,

@@ -31,6 +31,7 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from fastdp.kernels import device_table
 
 BLOCK = 32  # tile edge (rows and columns); tl.dot needs >= 16
 NUM_WARPS = 4
@@ -216,7 +217,7 @@ def bjorck_orthonormalize(weights: list[torch.Tensor], iters: int, beta: float) 
     gram = torch.empty(gram_total, dtype=torch.float32, device=device)
     for i, x in enumerate(xs):
         buf[0, x_offs[i] : x_offs[i] + x.numel()].view(x.shape).copy_(x)
-    meta_t = torch.tensor(meta, dtype=torch.int64).to(device, non_blocking=True)
+    meta_t = device_table(meta, torch.int64, device)
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
         if small:

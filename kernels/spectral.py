@@ -26,6 +26,7 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from fastdp.kernels import device_table
 
 BLOCK_M = 32  # rows of a W tile
 BLOCK_N = 128  # columns of a W tile
@@ -76,7 +77,7 @@ def _power_iteration_kernel(
             tl.store(v_base + r, acc, mask=mask_r)
             sum_sq += tl.sum(acc * acc)
         tl.debug_barrier()  # v visible to every thread of the program
-        scale_v = 1.0 / tl.maximum(tl.sqrt(sum_sq), EPS)
+        scale_v = tl.div_rn(1.0, tl.maximum(tl.sqrt_rn(sum_sq), EPS))  # IEEE, as sqrtf and / in spectral.cu
         # u = W^T v (unnormalised), ||u||^2 = sigma_hat^2
         sum_sq = tl.cast(0.0, tl.float32)
         for c0 in range(0, n, BLOCK_N):
@@ -94,8 +95,8 @@ def _power_iteration_kernel(
             tl.store(u_base + c, acc, mask=mask_c)
             sum_sq += tl.sum(acc * acc)
         tl.debug_barrier()  # u visible to every thread of the program
-        sigma = tl.sqrt(sum_sq)
-        scale_u = 1.0 / tl.maximum(sigma, EPS)
+        sigma = tl.sqrt_rn(sum_sq)
+        scale_u = tl.div_rn(1.0, tl.maximum(sigma, EPS))
     # Apply the last scales: unit u and v.
     for r0 in range(0, m, BLOCK_M):
         r = r0 + rows
@@ -128,7 +129,7 @@ def power_iteration(
         w_offs.append(w_offs[-1] + m * n)
         u_offs.append(u_offs[-1] + n)
         v_offs.append(v_offs[-1] + m)
-    meta = torch.tensor([w_offs, u_offs, v_offs, ms, ns], dtype=torch.int64).to(device, non_blocking=True)
+    meta = device_table([w_offs, u_offs, v_offs, ms, ns], torch.int64, device)
     us = [u.to(device=device, dtype=torch.float32).reshape(-1) for u in vectors]
     u_buf = torch.cat([u / torch.linalg.vector_norm(u).clamp_min(EPS) for u in us])
     v_buf = torch.empty(sum(ms), dtype=torch.float32, device=device)
@@ -142,6 +143,12 @@ def power_iteration(
     u_out = [t.clone() for t in torch.split(u_buf, ns)]
     v_out = [t.clone() for t in torch.split(v_buf, ms)]
     return sigma, u_out, v_out
+
+
+def hopper_ptx_absent() -> dict:
+    """PTX the sm_90 compile check must not find: approximate square roots and divisions (the CUDA kernel's sqrtf
+    and / are IEEE, and the two backends must agree on sigma)."""
+    return {"_power_iteration_kernel": ("sqrt.approx", "div.full", "div.approx", "rcp.approx")}
 
 
 def hopper_compile_specs():

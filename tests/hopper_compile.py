@@ -1,8 +1,11 @@
 """Compile every Triton kernel of fastdp.kernels for Hopper (sm_90) without a GPU.
 
 Run as a script in a process without TRITON_INTERPRET (interpreted kernels cannot be
-compiled). Each kernel module lists its kernels in ``hopper_compile_specs()``.
-Prints one line per kernel variant and exits non-zero on the first failure.
+compiled). Each kernel module lists its kernels in ``hopper_compile_specs()`` as (kernel,
+signature, constexprs[, launch options such as num_warps, as its launcher passes them]), and
+may name PTX that a kernel must not contain in ``hopper_ptx_absent()`` (approximate square
+roots and divisions where the backends must agree bitwise). Prints one line per kernel variant
+and exits non-zero on the first failure.
 """
 
 import importlib
@@ -21,12 +24,16 @@ def main() -> int:
     count = 0
     for info in pkgutil.iter_modules(fastdp.kernels.__path__):
         module = importlib.import_module(f"fastdp.kernels.{info.name}")
-        for fn, signature, constexprs in getattr(module, "hopper_compile_specs", list)():
+        absent = getattr(module, "hopper_ptx_absent", dict)()
+        for fn, signature, constexprs, *options in getattr(module, "hopper_compile_specs", list)():
             full = {**signature, **{name: "constexpr" for name in constexprs}}
             keys = {(fn.arg_names.index(name),): value for name, value in constexprs.items()}
-            kernel = triton.compile(ASTSource(fn, full, constexprs=keys), target=TARGET)
+            opts = options[0] if options else {}  # the launch options the launcher uses (num_warps)
+            kernel = triton.compile(ASTSource(fn, full, constexprs=keys), target=TARGET, options=opts)
             assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
-            print(f"ok {info.name}.{fn.__name__} {constexprs}")
+            for text in absent.get(fn.__name__, ()):
+                assert text not in kernel.asm["ptx"], f"{fn.__name__} {constexprs}: its PTX has {text!r}"
+            print(f"ok {info.name}.{fn.__name__} {constexprs} {opts}")
             count += 1
     print(f"compiled {count} kernel variants for sm_90")
     return 0 if count else 1

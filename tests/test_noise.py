@@ -353,3 +353,16 @@ def test_triton_list_kernel_matches_reference(dtype, fused, num_draws):
     expected = _reference(grads, stds, 2**40 + 3, 9, num_draws, params=params, step=0.01)
     triton_noise._launch_list(grads, params, stds, starts, 2**40 + 3, 9, num_draws, 0.01)
     _assert_close(params if fused else grads, expected, f"list kernel {dtype} fused={fused} draws={num_draws}")
+
+
+def test_device_table_gives_the_launch_metadata_on_the_device():
+    """``fastdp.kernels.device_table``: a nested list or a host tensor as a tensor of the dtype on the device (pinned
+    and copied asynchronously for CUDA, checked there by the CUDA tests that launch the kernels)."""
+    pytest.importorskip("triton")
+    from fastdp.kernels import device_table
+
+    table = device_table([[1, 2**40], [3, 4]], torch.int64, torch.device("cpu"))
+    assert table.dtype == torch.int64 and table.tolist() == [[1, 2**40], [3, 4]]
+    ids = device_table(torch.tensor([0, 0, 1], dtype=torch.int64), torch.int32, torch.device("cpu"))
+    assert ids.dtype == torch.int32 and ids.tolist() == [0, 0, 1]
+    assert device_table([0.5], torch.float32, torch.device("cpu")).tolist() == [0.5]
