@@ -27,7 +27,7 @@ from fastdp.kernels import INTERPRET, device_table
 
 BLOCK = 1024  # elements per inner block (256 Philox groups of 4)
 CHUNK = 16384  # elements per program of the list kernel
-NUM_WARPS = 4
+NUM_WARPS = 8  # 4 spill 8 B of stack in the list kernel with 4 draws or the fused update (sm_90)
 
 
 @triton.jit
@@ -200,7 +200,7 @@ def _launch_list(grads, params, stds, starts, seed, offset, num_draws, step) -> 
 
 
 def hopper_compile_specs():
-    """(kernel, signature, constexprs) of every kernel here, for the sm_90 compile check."""
+    """(kernel, signature, constexprs, launch options) of every kernel here, for the sm_90 compile check."""
     specs = []
     for dtype, ptr in (("fp32", "*fp32"), ("fp16", "*fp16"), ("bf16", "*bf16")):
         for fused in (False, True):
@@ -212,6 +212,7 @@ def hopper_compile_specs():
                         {"grad_ptr": ptr, "param_ptr": ptr, "numel": "i64", "stream_start": "i64",
                          "std": "fp32", "seed": "i64", "offset": "i64", "step": "fp32"},
                         flags,
+                        {"num_warps": NUM_WARPS},
                     )
                 )  # fmt: skip
                 specs.append(
@@ -222,6 +223,7 @@ def hopper_compile_specs():
                          "offset": "i64", "step": "fp32"},
                         {"DTYPE": _TL_DTYPES[{"fp32": torch.float32, "fp16": torch.float16,
                                               "bf16": torch.bfloat16}[dtype]], "CHUNK": CHUNK, **flags},
+                        {"num_warps": NUM_WARPS},
                     )
                 )  # fmt: skip
     return specs

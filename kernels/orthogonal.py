@@ -244,13 +244,23 @@ def bjorck_orthonormalize(weights: list[torch.Tensor], iters: int, beta: float) 
 
 
 def hopper_compile_specs():
-    """(kernel, signature, constexprs) of every kernel here, for the sm_90 compile check."""
-    flags = {"BLOCK": BLOCK}
+    """(kernel, signature, constexprs, launch options) of every kernel here, for the sm_90 compile check."""
+    flags, launch = {"BLOCK": BLOCK}, {"num_warps": NUM_WARPS}
     return [
         (_bjorck_fused_kernel,
          {"buf_ptr": "*fp32", "half": "i64", "gram_ptr": "*fp32", "meta_ptr": "*i64", "iters": "i32",
-          "beta": "fp32"}, flags),
-        (_gram_kernel, {"x_ptr": "*fp32", "gram_ptr": "*fp32", "meta_ptr": "*i64"}, flags),
+          "beta": "fp32"}, flags, launch),
+        (_gram_kernel, {"x_ptr": "*fp32", "gram_ptr": "*fp32", "meta_ptr": "*i64"}, flags, launch),
         (_bjorck_update_kernel,
-         {"x_ptr": "*fp32", "y_ptr": "*fp32", "gram_ptr": "*fp32", "meta_ptr": "*i64", "beta": "fp32"}, flags),
+         {"x_ptr": "*fp32", "y_ptr": "*fp32", "gram_ptr": "*fp32", "meta_ptr": "*i64", "beta": "fp32"}, flags,
+         launch),
     ]  # fmt: skip
+
+
+def hopper_known_spills() -> dict:
+    """Kernels that still spill registers on sm_90, and why (the compile check reports them, and fails once they
+    no longer spill, so that this list stays true)."""
+    return {
+        "_bjorck_fused_kernel": "one CTA per matrix keeps too much live (48 B of stack at 4 warps, 24 at 8): the "
+        "whole-GPU Bjorck redesign of issue 17 is owed",
+    }

@@ -167,6 +167,7 @@ def hopper_compile_specs():
                 "iters": "i32",
             },
             flags,
+            {"num_warps": NUM_WARPS},
         )  # fmt: skip
         for ptr in ("*fp32", "*fp16", "*bf16")
     ]
