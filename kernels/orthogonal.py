@@ -22,6 +22,12 @@ fp32 tiles (``_gram_tile``, ``_update_tile``):
 A list costs at most 1 + 2 iters launches, whatever its length. Load balance: the largest matrix sets the
 time of each launch (fine for the layer lists of Lipschitz networks). Tiles are upcast to fp32 on load (the
 interpreter has no low-precision tl.dot).
+
+Floors on an H100 (H100 SXM, HBM3 at 3.0 TB/s sustained (3.35 peak), fp32 67 TFLOP/s without tensor cores, 3xTF32
+about 160 TFLOP/s); nothing measured on a GPU yet. Each Björck iteration forms the Gram X^T X (m n^2 multiply-adds,
+half of them for its symmetric half) and the update X (a I + b X^T X) (m n^2): about 4 m n^2 FLOP, so for 1024 x
+1024 float32 4.3 GFLOP, 64 us on fp32 cores and 27 us with 3xTF32 tensor cores (owed). One program per small matrix
+(the fused kernel) uses one SM. Target: >= 2x a plain torch loop for n <= 1024, no host synchronisation.
 """
 
 from __future__ import annotations
