@@ -41,21 +41,34 @@ ScalarKind scalar_kind(const at::Tensor& t) {
   }
 }
 
-// Adds N(0, stds[t]^2) noise to grads[t] in place, or (params non-empty) applies
-// params[t] -= step * (grads[t] + noise). All tensors: one device, one dtype, contiguous.
-// stream_starts[t] is tensor t's first index in the noise stream (multiple of 4).
-void noise_(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
-            const std::vector<double>& stds, const std::vector<int64_t>& stream_starts,
-            int64_t seed, int64_t offset, int64_t num_draws, double step) {
+// The per-tensor table of the noise kernels and its launch on grads' device. All tensors: one
+// device, one dtype, contiguous; params (and each non-empty state list) one per grad, of its
+// shape. stream_starts[t] is tensor t's first index in the noise stream (multiple of 4).
+void launch_noise(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+                  const std::vector<std::vector<at::Tensor>>& states, const std::vector<double>& stds,
+                  const std::vector<int64_t>& stream_starts, const std::vector<double>& grad_weights,
+                  const NoiseArgs& args) {
   const size_t n = grads.size();
-  const bool fused = !params.empty();
-  TORCH_CHECK(stds.size() == n && stream_starts.size() == n,
-              "fastdp noise: need one std and one stream start per tensor");
-  TORCH_CHECK(!fused || params.size() == n, "fastdp noise: need one param per grad");
-  TORCH_CHECK(num_draws == 1 || num_draws == 4, "fastdp noise: num_draws must be 1 or 4");
+  const bool with_params = args.update != NoiseUpdate::kAdd && args.update != NoiseUpdate::kRelease;
+  TORCH_CHECK(stds.size() == n && stream_starts.size() == n && grad_weights.size() == n,
+              "fastdp noise: need one std, one stream start and one gradient weight per tensor");
+  TORCH_CHECK(with_params ? params.size() == n : params.empty(),
+              with_params ? "fastdp noise: need one param per grad" : "fastdp noise: no params here");
+  TORCH_CHECK(args.num_draws == 1 || args.num_draws == 4, "fastdp noise: num_draws must be 1 or 4");
+  TORCH_CHECK(states.size() == 3, "fastdp noise: three state lists (empty where unused)");
+  for (const auto& list : states) {
+    TORCH_CHECK(list.empty() || list.size() == n, "fastdp noise: a state list needs one tensor per grad");
+  }
   if (n == 0) return;
   const at::Device device = grads[0].device();
   const ScalarKind kind = scalar_kind(grads[0]);
+  TORCH_CHECK(!is_release(args.update) || kind == ScalarKind::kFloat32,
+              "fastdp noise: the release kinds take float32 tensors, got ", grads[0].scalar_type());
+  auto check_like = [&](const at::Tensor& x, const at::Tensor& g, size_t t, const char* what) {
+    TORCH_CHECK(x.device() == device && x.scalar_type() == g.scalar_type() && x.sizes() == g.sizes() &&
+                    x.is_contiguous(),
+                "fastdp noise: ", what, " ", t, " must match its grad in device, dtype and shape and be contiguous");
+  };
 
   std::vector<NoiseTensor> table(n);
   std::vector<int32_t> chunk_tensor;
@@ -68,23 +81,26 @@ void noise_(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>&
     TORCH_CHECK(g.is_contiguous(), "fastdp noise: tensor ", t, " is not contiguous");
     TORCH_CHECK(stream_starts[t] >= 0 && stream_starts[t] % 4 == 0,
                 "fastdp noise: stream starts must be non-negative multiples of 4");
-    void* param = nullptr;
-    if (fused) {
-      const at::Tensor& p = params[t];
-      TORCH_CHECK(p.device() == device && p.scalar_type() == g.scalar_type() &&
-                      p.sizes() == g.sizes() && p.is_contiguous(),
-                  "fastdp noise: param ", t, " must match its grad in device, dtype and shape",
-                  " and be contiguous");
-      param = p.data_ptr();
+    NoiseTensor entry{};
+    entry.grad = g.data_ptr();
+    if (with_params) {
+      check_like(params[t], g, t, "param");
+      entry.param = params[t].data_ptr();
     }
-    table[t] = NoiseTensor{g.data_ptr(), param, g.numel(),
-                           static_cast<uint64_t>(stream_starts[t]),
-                           static_cast<int64_t>(chunk_tensor.size()), static_cast<float>(stds[t])};
+    for (int k = 0; k < 3; ++k) {
+      if (states[k].empty()) continue;
+      check_like(states[k][t], g, t, "optimizer state");
+      entry.state[k] = states[k][t].data_ptr();
+    }
+    entry.numel = g.numel();
+    entry.stream_start = static_cast<uint64_t>(stream_starts[t]);
+    entry.first_chunk = static_cast<int64_t>(chunk_tensor.size());
+    entry.std = static_cast<float>(stds[t]);
+    entry.grad_weight = static_cast<float>(grad_weights[t]);
+    table[t] = entry;
     const int64_t chunks = (g.numel() + kNoiseChunk - 1) / kNoiseChunk;
     chunk_tensor.insert(chunk_tensor.end(), chunks, static_cast<int32_t>(t));
   }
-  const NoiseArgs args{static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
-                       static_cast<uint32_t>(num_draws), fused, static_cast<float>(step)};
   const int64_t num_chunks = static_cast<int64_t>(chunk_tensor.size());
 
   if (device.is_cpu()) {
@@ -111,6 +127,43 @@ void noise_(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>&
 #else
   TORCH_CHECK(false, "fastdp noise: fastdp._C was built without CUDA; tensors are on ", device);
 #endif
+}
+
+NoiseArgs noise_args(int64_t seed, int64_t offset, int64_t num_draws, NoiseUpdate update) {
+  NoiseArgs args{};
+  args.seed = static_cast<uint64_t>(seed);
+  args.offset = static_cast<uint64_t>(offset);
+  args.num_draws = static_cast<uint32_t>(num_draws);
+  args.update = update;
+  return args;
+}
+
+// Adds N(0, stds[t]^2) noise to grads[t] in place, or (params non-empty) applies
+// params[t] -= step * (grads[t] + noise). See launch_noise.
+void noise_(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+            const std::vector<double>& stds, const std::vector<int64_t>& stream_starts,
+            int64_t seed, int64_t offset, int64_t num_draws, double step) {
+  NoiseArgs args = noise_args(seed, offset, num_draws, params.empty() ? NoiseUpdate::kAdd : NoiseUpdate::kSgdStep);
+  args.step = static_cast<float>(step);
+  launch_noise(grads, params, {{}, {}, {}}, stds, stream_starts, std::vector<double>(grads.size(), 1.0), args);
+}
+
+// The release kinds of csrc/include/fastdp/noise.h: grads[t] <- (grads[t] + noise) / scale, then
+// (update 3, 4) the optimizer's update of params[t] and states[k][t]. hyper: the fields of
+// UpdateArgs in order (scale, lr, weight_decay, decay, momentum, beta1_weight, beta2,
+// beta2_weight, eps, step_size, bc2_sqrt, nesterov, maximize, amsgrad).
+void release_(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& params,
+              const std::vector<std::vector<at::Tensor>>& states, const std::vector<double>& stds,
+              const std::vector<int64_t>& stream_starts, const std::vector<double>& grad_weights,
+              int64_t seed, int64_t offset, int64_t num_draws, int64_t update, const std::vector<double>& hyper) {
+  TORCH_CHECK(update >= 2 && update <= 4, "fastdp release: update must be 2 (release), 3 (SGD) or 4 (Adam)");
+  TORCH_CHECK(hyper.size() == 14, "fastdp release: 14 hyperparameters, got ", hyper.size());
+  NoiseArgs args = noise_args(seed, offset, num_draws, static_cast<NoiseUpdate>(update));
+  TORCH_CHECK(std::isfinite(hyper[0]) && hyper[0] > 0, "fastdp release: scale must be finite and > 0");
+  auto f = [&](int i) { return static_cast<float>(hyper[i]); };
+  args.opt = UpdateArgs{f(0), f(1), f(2), f(3), f(4), f(5), f(6), f(7), f(8), f(9), f(10),
+                        hyper[11] != 0, hyper[12] != 0, hyper[13] != 0};
+  launch_noise(grads, params, states, stds, stream_starts, grad_weights, args);
 }
 
 // Element kind of a ghost-norm input (fp32, fp16, bf16; float64 runs the torch reference).
@@ -628,6 +681,7 @@ bool has_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastdp C++/CUDA kernels (raw launchers behind fastdp.ops)";
+  m.def("release_", &fastdp::release_, "Fused noise, division and optimizer update (the release kinds)");
   m.def("noise_", &fastdp::noise_, "Fused per-tensor Gaussian noise / noisy SGD step",
         py::arg("grads"), py::arg("params"), py::arg("stds"), py::arg("stream_starts"),
         py::arg("seed"), py::arg("offset"), py::arg("num_draws"), py::arg("step"));

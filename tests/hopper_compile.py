@@ -4,7 +4,9 @@ Run as a script in a process without TRITON_INTERPRET (interpreted kernels canno
 compiled). Each kernel module lists its kernels in ``hopper_compile_specs()`` as (kernel,
 signature, constexprs[, launch options such as num_warps, as its launcher passes them]), and
 may name PTX that a kernel must not contain in ``hopper_ptx_absent()`` (approximate square
-roots and divisions where the backends must agree bitwise). Every variant must compile without
+roots and divisions where the backends must agree bitwise) and PTX that variants must contain in
+``hopper_ptx_present()`` ({kernel: [(constexprs the variant has, regex)]}: 128-bit vector loads
+where the launcher promises 16-byte alignment). Every variant must compile without
 register spills (no stack frame, ``cuobjdump -res-usage``), except those a module lists with
 the reason in ``hopper_known_spills()``. Prints one line per kernel variant and exits non-zero
 on the first failure.
@@ -44,6 +46,7 @@ def main() -> int:
     for info in pkgutil.iter_modules(fastdp.kernels.__path__):
         module = importlib.import_module(f"fastdp.kernels.{info.name}")
         absent = getattr(module, "hopper_ptx_absent", dict)()
+        present = getattr(module, "hopper_ptx_present", dict)()
         known = getattr(module, "hopper_known_spills", dict)()
         for fn, signature, constexprs, *options in getattr(module, "hopper_compile_specs", list)():
             full = {**signature, **{name: "constexpr" for name in constexprs}}
@@ -53,6 +56,9 @@ def main() -> int:
             assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
             for text in absent.get(fn.__name__, ()):
                 assert text not in kernel.asm["ptx"], f"{fn.__name__} {constexprs}: its PTX has {text!r}"
+            for required, pattern in present.get(fn.__name__, ()):
+                if all(constexprs.get(name) == value for name, value in required.items()):
+                    assert re.search(pattern, kernel.asm["ptx"]), f"{fn.__name__} {constexprs}: no {pattern!r} in PTX"
             stack = stack_bytes(kernel.asm["cubin"])
             if fn.__name__ in known:
                 assert stack != 0, f"{fn.__name__} no longer spills: remove it from hopper_known_spills()"

@@ -184,13 +184,40 @@ void noise_chunk(const NoiseTensor& t, int64_t begin, int64_t end, const NoiseAr
     normal_batch((t.stream_start + static_cast<uint64_t>(base)) >> 2, args, z);
     const int64_t count = std::min<int64_t>(4 * kBatch, end - base);
     T* g = grad + base;
-    if (args.fused) {
+    if (args.update == NoiseUpdate::kSgdStep) {
       T* p = param + base;
       for (int64_t e = 0; e < count; ++e) {
         p[e] = static_cast<T>(static_cast<float>(p[e]) - args.step * (static_cast<float>(g[e]) + t.std * z[e]));
       }
     } else {
       for (int64_t e = 0; e < count; ++e) g[e] = static_cast<T>(static_cast<float>(g[e]) + t.std * z[e]);
+    }
+  }
+}
+
+// The release kinds (float32 only): one pass over the noisy sums, the parameters and the optimizer state.
+void release_chunk(const NoiseTensor& t, int64_t begin, int64_t end, const NoiseArgs& args) {
+  float* grad = static_cast<float*>(t.grad);
+  float* param = static_cast<float*>(t.param);
+  float* state[3];
+  float unused = 0.0f;
+  for (int k = 0; k < 3; ++k) state[k] = static_cast<float*>(t.state[k]);
+  float z[4 * kBatch];
+  for (int64_t base = begin; base < end; base += 4 * kBatch) {
+    normal_batch((t.stream_start + static_cast<uint64_t>(base)) >> 2, args, z);
+    const int64_t count = std::min<int64_t>(4 * kBatch, end - base);
+    float* g = grad + base;
+    if (args.update == NoiseUpdate::kRelease) {
+      for (int64_t e = 0; e < count; ++e) g[e] = (g[e] + t.std * z[e]) / args.opt.scale;
+      continue;
+    }
+    for (int64_t e = 0; e < count; ++e) {
+      const int64_t i = base + e;
+      float s0 = state[0] ? state[0][i] : 0.0f, s1 = state[1] ? state[1][i] : 0.0f;
+      float& s2 = state[2] ? state[2][i] : unused;
+      g[e] = release_element(args, t.grad_weight, g[e] + t.std * z[e], param[i], s0, s1, s2);
+      if (state[0]) state[0][i] = s0;
+      if (state[1]) state[1][i] = s1;
     }
   }
 }
@@ -204,6 +231,10 @@ void noise_cpu(const NoiseTensor* tensors, const int32_t* chunk_tensor, int64_t 
       const NoiseTensor& t = tensors[chunk_tensor[c]];
       const int64_t begin = (c - t.first_chunk) * kNoiseChunk;
       const int64_t end = std::min(t.numel, begin + kNoiseChunk);
+      if (is_release(args.update)) {
+        release_chunk(t, begin, end, args);  // float32 (checked by the binding)
+        continue;
+      }
       switch (kind) {
         case ScalarKind::kFloat32: noise_chunk<float>(t, begin, end, args); break;
         case ScalarKind::kFloat16: noise_chunk<c10::Half>(t, begin, end, args); break;

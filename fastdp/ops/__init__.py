@@ -1,7 +1,7 @@
 """fastdp's ``torch.library`` ops (namespace ``torch.ops.fastdp``) and their Python entry points."""
 
 from fastdp.ops.clip import clip_gradient, clip_rows
-from fastdp.ops.noise import add_noise_, noisy_sgd_step_
+from fastdp.ops.noise import OptimizerUpdate, add_noise_, noisy_sgd_step_, release_
 from fastdp.ops.norms import (
     certified_conv_ghost_norm_sq,
     certified_ghost_norm_sq,
@@ -25,6 +25,7 @@ from fastdp.ops.spectral import (
 )
 
 __all__ = [
+    "OptimizerUpdate",
     "add_noise_",
     "bjorck_orthonormalize",
     "certified_conv_ghost_norm_sq",
@@ -40,6 +41,7 @@ __all__ = [
     "conv_operator_norm",
     "ghost_norm_sq",
     "noisy_sgd_step_",
+    "release_",
     "power_iteration",
     "rounding_gamma",
     "rko_orthonormalize",

@@ -1,4 +1,5 @@
-"""Fused per-tensor Gaussian noise: ``fastdp::add_noise_`` and ``fastdp::noisy_sgd_step_``.
+"""Fused per-tensor Gaussian noise: ``fastdp::add_noise_``, ``fastdp::noisy_sgd_step_`` and the release
+``release_`` (noise, the division by q*N and an optimizer's update in one pass).
 
 Units. ``grads`` hold the *sum* of the (clipped) per-example gradients, so the
 sensitivity of tensor t is the clip bound Delta_t and its noise std is
@@ -7,6 +8,8 @@ divides by ``scale``, the expected batch size q*N (never the realised size):
 
     add_noise_:       g_t <- g_t + N(0, stds[t]^2 I)
     noisy_sgd_step_:  p_t <- p_t - lr * (g_t + N(0, stds[t]^2 I)) / scale
+    release_:         g_t <- (g_t + N(0, stds[t]^2 I)) / scale, then (optional) torch.optim.SGD's or Adam's
+                      update of the parameters from g_t, with their optimizer state
 
 Randomness is the counter-based fastdp noise stream (``fastdp.ref.noise``): a
 (seed, offset) pair fixes the draw, bitwise on a given backend, whatever the list
@@ -32,6 +35,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,7 +43,7 @@ from fastdp import _backend, _ext
 from fastdp.privacy.rng import NOISE_DRAWS, SEED_BITS, os_entropy_seed
 from fastdp.ref import noise as ref
 
-__all__ = ["add_noise_", "noisy_sgd_step_"]
+__all__ = ["OptimizerUpdate", "add_noise_", "noisy_sgd_step_", "release_"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPES = (*_KERNEL_DTYPES, torch.float64)
@@ -367,3 +371,125 @@ def noisy_sgd_step_(
     _check(grads, params, stds)
     with torch.no_grad():
         torch.ops.fastdp.noisy_sgd_step_(params, grads, stds, lr / scale, seed, offset, num_draws)
+
+
+@dataclass
+class OptimizerUpdate:
+    """One optimizer parameter group's update, applied by :func:`release_` in the same pass as the noise.
+
+    ``kind``: "sgd" (torch.optim.SGD: ``states[0]`` the momentum buffers, none without momentum) or "adam"
+    (torch.optim.Adam / AdamW: exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad). ``index``: the positions of
+    ``params`` in the release's ``grads`` (one param per grad, of its shape and dtype; so is every state tensor).
+    ``grad_weights`` (SGD): each buffer's weight of the gradient, 1 - dampening, or 1 for a new zeroed buffer
+    (torch's first step copies the gradient). ``hyper``: this step's values of ``fastdp.ref.noise.HYPER_FIELDS``
+    other than ``scale`` (a missing value is 0; ``decay`` and ``bc2_sqrt`` default to 1)."""
+
+    kind: str
+    index: list[int]
+    params: list[torch.Tensor]
+    states: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
+    grad_weights: list[float] | None = None
+    hyper: dict[str, float] = field(default_factory=dict)
+
+    def hyper_values(self, scale: float) -> list[float]:
+        values = {"decay": 1.0, "bc2_sqrt": 1.0, **self.hyper, "scale": scale}
+        unknown = set(values) - set(ref.HYPER_FIELDS)
+        if unknown:
+            raise ValueError(f"fastdp release: unknown hyperparameters {sorted(unknown)}; known: {ref.HYPER_FIELDS}")
+        for name, value in values.items():
+            if not math.isfinite(float(value)):
+                raise ValueError(f"fastdp release: hyperparameter {name} is {value}; it must be finite")
+        return [float(values.get(name, 0.0)) for name in ref.HYPER_FIELDS]
+
+
+_UPDATE_KINDS = {"sgd": ref.RELEASE_SGD, "adam": ref.RELEASE_ADAM}
+
+
+def _release_kernel(backend: str):
+    if backend == "torch":
+        return ref.release_
+    if backend == "triton":
+        from fastdp.kernels import noise as triton_noise
+
+        return triton_noise.release_
+    return _ext._C.release_
+
+
+def _check_update(u: OptimizerUpdate, grads: list[torch.Tensor], claimed: set[int]) -> None:
+    if u.kind not in _UPDATE_KINDS:
+        raise ValueError(f"fastdp release: update kind {u.kind!r}; expected one of {sorted(_UPDATE_KINDS)}")
+    if len(u.params) != len(u.index) or any(s and len(s) != len(u.index) for s in u.states):
+        raise ValueError("fastdp release: an update needs one param (and one tensor per state list) per index")
+    if u.kind == "sgd" and u.states[0] and (u.grad_weights is None or len(u.grad_weights) != len(u.index)):
+        raise ValueError("fastdp release: SGD with momentum needs one gradient weight per momentum buffer")
+    if u.kind == "adam" and not (u.states[0] and u.states[1]):
+        raise ValueError("fastdp release: Adam needs exp_avg and exp_avg_sq (states 0 and 1)")
+    for position, t in enumerate(u.index):
+        if not 0 <= t < len(grads) or t in claimed:
+            raise ValueError(f"fastdp release: index {t} is out of range or updated twice")
+        claimed.add(t)
+        g = grads[t]
+        for x in (u.params[position], *(s[position] for s in u.states if s)):
+            if x.shape != g.shape or x.dtype != g.dtype or x.device != g.device:
+                raise ValueError(
+                    f"fastdp release: a param or optimizer state of grads[{t}] is {tuple(x.shape)} {x.dtype} on "
+                    f"{x.device}, its grad {tuple(g.shape)} {g.dtype} on {g.device}; they must match"
+                )
+
+
+def release_(
+    grads: Sequence[torch.Tensor],
+    stds: Sequence[float],
+    scale: float,
+    seed: int,
+    offset: int,
+    num_draws: int,
+    updates: Sequence[OptimizerUpdate] = (),
+) -> None:
+    """The release of one DP step in one pass: ``grads[t] <- (grads[t] + N(0, stds[t]^2)) / scale`` in place
+    (float32 or float64 sums: the released mean), and for the tensors an :class:`OptimizerUpdate` names, the
+    optimizer's update of their parameters from that mean (post-processing: torch.optim's order of operations, its
+    results up to fp32 rounding). Every other argument as for :func:`add_noise_` (seed and offset explicit: the
+    callers are the variants, with their keys). Eager only: called outside compiled graphs."""
+    grads = _as_list(grads, "grads")
+    stds = [_real(s, f"stds[{t}]") for t, s in enumerate(stds)]
+    scale = _real(scale, "scale")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"fastdp release: scale must be finite and > 0, got {scale}")
+    if num_draws not in (1, SECURE_DRAWS):
+        raise ValueError(f"fastdp noise: num_draws must be 1 or {SECURE_DRAWS}, got {num_draws}")
+    _check(grads, [], stds)
+    _check_seed(seed, offset)
+    for t, g in enumerate(grads):
+        if g.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"fastdp release: grads[{t}] has dtype {g.dtype}; the sums are float32 or float64")
+    claimed: set[int] = set()
+    for u in updates:
+        _check_update(u, grads, claimed)
+    written = [*grads, *(x for u in updates for x in (*u.params, *(x for s in u.states for x in s)))]
+    _check_memory(written, [])
+    starts = ref.stream_starts([g.numel() for g in grads])
+    plain = [t for t in range(len(grads)) if t not in claimed]
+    groups = [(ref.RELEASE, plain, [], ([], [], []), [1.0] * len(plain), OptimizerUpdate("sgd", [], []))]
+    for u in updates:
+        weights = u.grad_weights if u.grad_weights is not None else [1.0] * len(u.index)
+        groups.append((_UPDATE_KINDS[u.kind], u.index, u.params, u.states, weights, u))
+    backend = _backend.select("noise", grads[0].device.type) if grads else "torch"
+    with torch.no_grad():
+        for kind, index, params, states, weights, u in groups:
+            hyper = u.hyper_values(scale)
+            for dtype in (torch.float32, torch.float64):
+                chosen = [i for i, t in enumerate(index) if grads[t].dtype == dtype and grads[t].numel()]
+                if not chosen:
+                    continue
+                run = _release_kernel(backend if dtype == torch.float32 else "torch")
+                targets = [[grads[index[i]] for i in chosen], [params[i] for i in chosen] if params else [],
+                           *([s[i] for i in chosen] if s else [] for s in states)]  # fmt: skip
+                buffers = [[x.contiguous() for x in tensors] for tensors in targets]
+                run(buffers[0], buffers[1], buffers[2:], [stds[index[i]] for i in chosen],
+                    [starts[index[i]] for i in chosen], [float(weights[i]) for i in chosen], seed, offset,
+                    num_draws, kind, hyper)  # fmt: skip
+                for tensors, copies in zip(targets, buffers, strict=True):
+                    for target, buf in zip(tensors, copies, strict=True):
+                        if buf.data_ptr() != target.data_ptr():
+                            target.copy_(buf)

@@ -123,3 +123,60 @@ def noise_(
             param.copy_(param.to(torch.float64) - step * noisy)
         else:
             grad.reshape(-1).copy_(noisy)
+
+
+RELEASE, RELEASE_SGD, RELEASE_ADAM = 2, 3, 4  # the release kinds (csrc/include/fastdp/noise.h)
+HYPER_FIELDS = ("scale", "lr", "weight_decay", "decay", "momentum", "beta1_weight", "beta2", "beta2_weight", "eps",
+                "step_size", "bc2_sqrt", "nesterov", "maximize", "amsgrad")  # fmt: skip
+
+
+def release_(
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    states: Sequence[Sequence[torch.Tensor]],
+    stds: Sequence[float],
+    starts: Sequence[int],
+    grad_weights: Sequence[float],
+    seed: int,
+    offset: int,
+    num_draws: int,
+    update: int,
+    hyper: Sequence[float],
+) -> None:
+    """Reference of the release kinds: ``g <- (g + s z) / scale`` for each grad (the released mean), then for
+    ``update`` 3 torch.optim.SGD's update of ``params[t]`` (momentum buffer ``states[0][t]``, its gradient weight
+    ``grad_weights[t]``: 1 - dampening, 1 for a new zeroed buffer) or for 4 torch.optim.Adam's / AdamW's
+    (``states``: exp_avg, exp_avg_sq, max_exp_avg_sq), in torch's order of operations. ``hyper``: the values of
+    ``HYPER_FIELDS``. Float64 arithmetic, each result rounded once to its tensor's dtype."""
+    h = dict(zip(HYPER_FIELDS, hyper, strict=True))
+    for t, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        z = standard_normal(seed, offset, starts[t], grad.numel(), num_draws, grad.device)
+        g = (grad.reshape(-1).to(torch.float64) + stds[t] * z) / h["scale"]
+        grad.reshape(-1).copy_(g)
+        if update == RELEASE:
+            continue
+        param = params[t].reshape(-1)
+        p = param.to(torch.float64)
+        d = -g if h["maximize"] else g
+        if h["weight_decay"]:
+            d = d + h["weight_decay"] * p
+        state = [s[t].reshape(-1) if s else None for s in states]
+        if update == RELEASE_SGD:
+            if h["momentum"]:
+                buf = h["momentum"] * state[0].to(torch.float64) + grad_weights[t] * d
+                state[0].copy_(buf)
+                d = d + h["momentum"] * buf if h["nesterov"] else buf
+            param.copy_(p - h["lr"] * d)
+            continue
+        p = p * h["decay"]
+        m = state[0].to(torch.float64)
+        m = m + h["beta1_weight"] * (d - m)
+        v = state[1].to(torch.float64) * h["beta2"] + h["beta2_weight"] * d * d
+        state[0].copy_(m)
+        state[1].copy_(v)
+        if h["amsgrad"]:
+            v = torch.maximum(state[2].to(torch.float64), v)
+            state[2].copy_(v)
+        param.copy_(p - h["step_size"] * (m / (v.sqrt() / h["bc2_sqrt"] + h["eps"])))
