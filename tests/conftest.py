@@ -53,3 +53,29 @@ def restore_backend():
     previous = fastdp.get_backend()
     yield
     fastdp.set_backend(previous)
+
+
+@pytest.fixture
+def noise_draws(monkeypatch):
+    """Every noise kernel call's (seed, offset, num_draws), for the add-noise kernels and the release's."""
+    from fastdp.ops import noise as noise_module
+
+    draws = []
+
+    def recording(select):
+        def chosen(backend):
+            run = select(backend)
+
+            def recorded(*args):
+                seed, offset, num_draws = args[-5:-2] if select is real_release else args[-4:-1]
+                draws.append((seed, offset, num_draws))
+                return run(*args)
+
+            return recorded
+
+        return chosen
+
+    real_release = noise_module._release_kernel
+    monkeypatch.setattr(noise_module, "_kernel", recording(noise_module._kernel))
+    monkeypatch.setattr(noise_module, "_release_kernel", recording(real_release))
+    return draws

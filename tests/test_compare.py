@@ -108,7 +108,11 @@ def test_the_front_door_provider_releases_the_variant_apis_update(compare, workl
         assert step.optimizer.steps_taken == 1 and step.optimizer.accountant.steps == 1, micro
         for p0, p, q in zip(start, got, reference, strict=True):
             assert not torch.equal(p, p0)  # every parameter moved (noise on every coordinate)
-            torch.testing.assert_close((p0 - p) / bench_dpsgd.LR, (p0 - q) / bench_dpsgd.LR, rtol=1e-4, atol=1e-5)
+            # the updates agree to 1e-4 relative, beyond the rounding of p0 - lr g (the front door's SGD step is fused
+            # into the release, the variant API's is torch's: a few ulps of p apart)
+            update, want = (p0 - p) / bench_dpsgd.LR, (p0 - q) / bench_dpsgd.LR
+            rounding = 4 * torch.finfo(torch.float32).eps * p0.abs() / bench_dpsgd.LR
+            assert ((update - want).abs() <= 1e-5 + 1e-4 * want.abs() + rounding).all(), micro
 
 
 def test_the_front_door_provider_trains(compare):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-import fastdp.ops.noise as noise_module
 from fastdp.algorithms.base import trainable_parameters
 from fastdp.ops.noise import SECURE_DRAWS
 from fastdp.train.trainer import TrainConfig, Trainer
@@ -78,7 +77,7 @@ _SEEDED_DRAWS = {
 
 
 @pytest.mark.parametrize("variant", list(PRIVATE))
-def test_default_privacy_draws_come_from_os_urandom_and_never_from_seeded_generators(variant, monkeypatch):
+def test_default_privacy_draws_come_from_os_urandom_and_never_from_seeded_generators(variant, monkeypatch, noise_draws):
     trainer = Trainer(_config(variant))
     # the seeded paths raise: torch/numpy/random draw functions, and the sampler's own seeded generator
     for owner, names in _SEEDED_DRAWS.items():
@@ -92,19 +91,8 @@ def test_default_privacy_draws_come_from_os_urandom_and_never_from_seeded_genera
     monkeypatch.setattr(os, "urandom", lambda n: sampler_bytes.append(real_urandom(n)) or sampler_bytes[-1])
     monkeypatch.setattr(random, "_urandom", lambda n: key_bytes.append(real_random_urandom(n)) or key_bytes[-1])
     # every noise kernel call (noise and JL tangents), recorded
-    draws = []
-    real_kernel = noise_module._kernel
-
-    def kernel(backend):
-        run = real_kernel(backend)
-
-        def recorded(grads, params, stds, starts, seed, offset, num_draws, step):
-            draws.append((seed, offset, num_draws))
-            return run(grads, params, stds, starts, seed, offset, num_draws, step)
-
-        return recorded
-
-    monkeypatch.setattr(noise_module, "_kernel", kernel)
+    draws = noise_draws
+    draws.clear()  # from here on (building the trainer may draw, before the OS entropy source is recorded)
     global_state = torch.get_rng_state()
     result = trainer.run()
 

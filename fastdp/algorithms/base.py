@@ -19,10 +19,12 @@ forward only, for the variants whose bound survives it) and :meth:`Variant.compi
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +33,7 @@ from fastdp.nn.ghost import output_gradients
 from fastdp.nn.layers import own_trainable
 from fastdp.nn.rows import RowProbe, row_functional
 from fastdp.nn.validate import check_parameter_dtypes
-from fastdp.ops import add_noise_
+from fastdp.ops import OptimizerUpdate, add_noise_, release_
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 
 # Training precisions: the autocast dtype of the model's forward (and thereby its backward); None is plain fp32.
@@ -404,6 +406,33 @@ def gradient_sums(
             for p, g in zip(params, grads, strict=True)]  # fmt: skip
 
 
+class FusedOptimizerStep(Protocol):
+    """An optimizer step the release may apply in its own pass over the parameters (:func:`fused_optimizer_step`;
+    ``fastdp.engine`` builds one from the user's torch.optim.SGD, Adam or AdamW)."""
+
+    applied: bool  # set by the release that applied it: the caller then skips the optimizer's own step
+
+    def updates(self, params: list[torch.nn.Parameter], sums: list[torch.Tensor]) -> list[OptimizerUpdate] | None:
+        """The updates of ``params`` (released from ``sums``, in that order), their optimizer state initialised and
+        this step counted; None (nothing changed) where the step cannot be fused."""
+
+
+_FUSED_STEP: contextvars.ContextVar[FusedOptimizerStep | None] = contextvars.ContextVar("fastdp_fused_step",
+                                                                                         default=None)  # fmt: skip
+
+
+@contextlib.contextmanager
+def fused_optimizer_step(step: FusedOptimizerStep):
+    """Within the block, a release (:func:`release_noisy_mean`) applies ``step`` in the same pass as the noise and
+    the division (one read and write of each parameter and state, instead of one per operation) and sets
+    ``step.applied``; a release that cannot (weight-dependent stds, ``step.updates`` None) leaves it to the caller."""
+    token = _FUSED_STEP.set(step)
+    try:
+        yield
+    finally:
+        _FUSED_STEP.reset(token)
+
+
 def release_noisy_mean(
     params: list[torch.nn.Parameter],
     sums: list[torch.Tensor],
@@ -414,7 +443,8 @@ def release_noisy_mean(
 ) -> None:
     """p.grad = (sum + N(0, std^2)) / (q N) for each parameter: the noise is keyed by ``keys.noise_key(step)`` (OS
     entropy by default; a reproducible key refuses a step it already released) and every value is a 4-draw sum
-    (``fastdp.privacy.rng``); the divisor is the expected batch size, never the realised one.
+    (``fastdp.privacy.rng``); the divisor is the expected batch size, never the realised one. Noise and division
+    are one pass (``fastdp.ops.release_``), with the optimizer's update inside :func:`fused_optimizer_step`.
 
     ``stds`` may be a tensor on the sums' device (stds that depend on the weights, e.g. Lipschitz bounds): the
     noise is then added as ``std * (sum / std + N(0, 1))``, the same Gaussian mechanism, with the std never read
@@ -424,12 +454,25 @@ def release_noisy_mean(
         torch._foreach_div_(sums, scale)
         _add_noise(sums, 1.0, keys, step)
         torch._foreach_mul_(sums, scale)
+        if expected_batch_size != 1.0:  # 1.0: the caller folded the division into the sums and stds
+            torch._foreach_div_(sums, expected_batch_size)
     else:
-        _add_noise(sums, stds, keys, step)
-    if expected_batch_size != 1.0:  # 1.0: the caller folded the division into the sums and stds
-        torch._foreach_div_(sums, expected_batch_size)
+        _release(params, sums, stds, expected_batch_size, keys, step)
     for p, total in zip(params, sums, strict=True):
         p.grad = total.to(p.dtype)  # cast after the noise: post-processing
+
+
+def _release(params: list[torch.nn.Parameter], sums: list[torch.Tensor], stds: list[float], scale: float,
+             keys: PrivacyKeys, step: int) -> None:  # fmt: skip
+    if torch.compiler.is_compiling():  # drawn eagerly, outside any graph (see draw_eagerly)
+        _release_eagerly(params, sums, stds, scale, keys, step)
+        return
+    seed, offset = keys.noise_key(step)  # here, eagerly: a graph never captures a key
+    fused = _FUSED_STEP.get()
+    updates = fused.updates(params, sums) if fused is not None else None
+    release_(sums, stds, scale, seed, offset, NOISE_DRAWS, updates or ())
+    if updates is not None:
+        fused.applied = True
 
 
 def _add_noise(sums: list[torch.Tensor], stds, keys: PrivacyKeys, step: int) -> None:
@@ -448,3 +491,4 @@ def draw_eagerly(fn):
 
 
 _add_noise_eagerly = draw_eagerly(_add_noise)
+_release_eagerly = draw_eagerly(_release)

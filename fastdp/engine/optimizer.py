@@ -16,8 +16,10 @@
    once with the step's key (the variant's ``release``: the same code and keys as the variant API, so the released
    gradient equals it for the same batch and key), sets ``p.grad`` to the noisy mean over the expected batch size
    (``loss_reduction="mean"``) or the noisy sum (``"sum"``, as Opacus), runs the original optimizer's step and records
-   one accounting event. ``grad_reduction`` (not offered by ``make_private``; ``fastdp.train``'s trainer passes
-   ``loss_reduction="sum", grad_reduction="mean"``) decouples what ``p.grad`` is from the loss's reduction.
+   one accounting event (torch.optim.SGD, Adam and AdamW: their update applied in the release's own pass over the
+   parameters, ``fastdp.engine.fused``). ``grad_reduction`` (not offered by ``make_private``; ``fastdp.train``'s
+   trainer passes ``loss_reduction="sum", grad_reduction="mean"``) decouples what ``p.grad`` is from the loss's
+   reduction.
 
 Data-parallel (under ``torchrun``, ``parallel``): each process computes the bounded sums of its shard of the global
 Poisson batch, the sums are all-reduced before the release, and the noise is added once: with OS-entropy keys rank 0's
@@ -27,12 +29,15 @@ seed every rank draws the same noise (``fastdp.engine.distributed``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten
 
-from fastdp.algorithms.base import Variant, sum_dtype, trainable_parameters
+from fastdp.algorithms.base import Variant, fused_optimizer_step, sum_dtype, trainable_parameters
 from fastdp.algorithms.dpsgd import GhostBackward
+from fastdp.engine.fused import TorchOptimizerStep, fusable
 from fastdp.engine.module import PrivateModule, Recorded
 from fastdp.nn import check_supported
 from fastdp.nn.ghost import output_gradients
@@ -62,6 +67,7 @@ class DPOptimizer(Optimizer):
         parallel=None,
         *,
         grad_reduction: str | None = None,
+        fuse_step: bool = True,
     ) -> None:
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got {loss_reduction!r}")
@@ -91,6 +97,9 @@ class DPOptimizer(Optimizer):
         self._probe = RowProbe()
         self.parallel = parallel  # a fastdp.engine.distributed.DataParallel under torchrun, else None
         self._tangents_shared_for: int | None = None
+        # torch.optim.SGD / Adam / AdamW steps applied inside the release's pass (fastdp.engine.fused); False: the
+        # optimizer's own step() after the release
+        self.fuse_step = fuse_step
 
     # -- torch.optim.Optimizer surface: the original optimizer's
     param_groups = _delegated("param_groups")
@@ -265,13 +274,19 @@ class DPOptimizer(Optimizer):
         self._sums = None
         if self.parallel is not None:  # data-parallel: the global batch's sums, then noise once
             self.parallel.all_reduce_sum(sums)
-        self.variant._release_step(model, sums, self.steps_taken)  # compiled after Variant.compile (the trainer's)
-        if self.parallel is not None and not self.variant.keys.reproducible:
+        broadcast = self.parallel is not None and not self.variant.keys.reproducible
+        fused = None  # the optimizer's step inside the release's pass (fastdp.engine.fused), where it can be
+        if self.fuse_step and not broadcast and self.grad_reduction == "mean" and fusable(self.original_optimizer):
+            fused = TorchOptimizerStep(self.original_optimizer)
+        with fused_optimizer_step(fused) if fused is not None else contextlib.nullcontext():
+            self.variant._release_step(model, sums, self.steps_taken)  # compiled after Variant.compile (the trainer's)
+        if broadcast:
             self.parallel.broadcast_from_main([p.grad for p in params])  # rank 0's draw; the others' are discarded
         if self.grad_reduction == "sum":
             for p in params:
                 p.grad.mul_(self.variant.expected_batch_size)
-        self.original_optimizer.step()
+        if fused is None or not fused.applied:
+            self.original_optimizer.step()
         self.variant.after_step(model)
         event = self.variant.privacy_event()
         if event is not None:

@@ -1,0 +1,265 @@
+"""The fused release (``fastdp.ops.release_``, ``fastdp.engine.fused``): noise, the division by q N and the user's
+torch.optim.SGD / Adam / AdamW update in one pass, against the unfused release followed by torch's own step."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fastdp
+from fastdp import PrivacyEngine
+from fastdp.engine.fused import TorchOptimizerStep, fusable
+from fastdp.ops import OptimizerUpdate, release_
+from fastdp.ref import noise as ref
+
+SIZES = (1, 5, 1000, 20000, 33)  # tails, several chunks (16384 elements a chunk)
+CPU_BACKENDS = ["torch", pytest.param("cuda", marks=pytest.mark.skipif(not (fastdp._ext._C is not None),
+                                                                      reason="fastdp._C not built"))]  # fmt: skip
+
+
+@pytest.fixture
+def backend(request):
+    before = fastdp._backend.get_backend()
+    fastdp.set_backend(request.param)
+    yield request.param
+    fastdp.set_backend(before)
+
+
+def _tensors(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=gen) for n in SIZES]
+    params = [torch.randn(n, generator=gen) for n in SIZES]
+    states = [[torch.randn(n, generator=gen).abs() for n in SIZES] for _ in range(3)]
+    return grads, params, states
+
+
+UPDATES = {
+    "sgd": ("sgd", {"lr": 0.1}, 0),
+    "sgd-momentum": ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}, 1),
+    "sgd-nesterov-maximize": ("sgd", {"lr": 0.05, "momentum": 0.8, "nesterov": True, "maximize": True}, 1),
+    "adam": (
+        "adam",
+        {
+            "lr": 1e-3,
+            "beta1_weight": 0.1,
+            "beta2": 0.999,
+            "beta2_weight": 1e-3,
+            "eps": 1e-8,
+            "step_size": 1e-2,
+            "bc2_sqrt": 0.0316,
+            "weight_decay": 0.01,
+        },
+        2,
+    ),  # fmt: skip
+    "adamw-amsgrad": (
+        "adam",
+        {
+            "lr": 1e-3,
+            "beta1_weight": 0.1,
+            "beta2": 0.99,
+            "beta2_weight": 0.01,
+            "eps": 1e-6,
+            "step_size": 2e-3,
+            "bc2_sqrt": 0.3,
+            "decay": 0.999,
+            "amsgrad": True,
+        },
+        3,
+    ),  # fmt: skip
+}
+
+
+def _run(name, backend_name, num_draws=4):
+    kind, hyper, states_used = UPDATES[name]
+    fastdp.set_backend(backend_name)
+    grads, params, states = _tensors()
+    states = tuple(states[k] if k < states_used else [] for k in range(3))
+    weights = [1.0, 0.9, 0.9, 1.0, 0.5] if kind == "sgd" and states[0] else None
+    update = OptimizerUpdate(kind, list(range(len(SIZES))), params, states, weights, hyper)
+    release_(grads, [0.5, 0.0, 2.0, 1.0, 3.0], 4.0, 11, 2**40 + 3, num_draws, [update])
+    return grads, params, states
+
+
+@pytest.mark.parametrize("name", list(UPDATES))
+@pytest.mark.parametrize("num_draws", [1, 4])
+def test_the_extensions_fused_release_matches_the_reference(name, num_draws):
+    if not (fastdp._ext._C is not None):
+        pytest.skip("fastdp._C not built")
+    try:
+        expected = _run(name, "torch", num_draws)
+        got = _run(name, "cuda", num_draws)
+    finally:
+        fastdp.set_backend("auto")
+    for want, have in zip(expected, got, strict=True):
+        for a, b in zip(want, have, strict=True):
+            torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS, indirect=True)
+def test_the_released_gradient_does_not_depend_on_the_update(backend):
+    """The noise and the division are the same whatever update follows (same backend: bitwise)."""
+    plain, _, _ = _tensors()
+    release_(plain, [0.5, 0.0, 2.0, 1.0, 3.0], 4.0, 11, 2**40 + 3, 4)
+    for name in UPDATES:
+        grads, _, _ = _run(name, backend)
+        for a, b in zip(plain, grads, strict=True):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS, indirect=True)
+def test_the_noise_actually_added_has_the_requested_std(backend):
+    """A DP-relevant number: (released * scale - sum) / std is N(0, 1) per tensor, for every update kind."""
+    n = 200_000
+    for name in ("sgd-momentum", "adam"):
+        kind, hyper, states_used = UPDATES[name]
+        grads = [torch.full((n,), 3.0), torch.zeros(n)]
+        params = [torch.zeros(n), torch.zeros(n)]
+        states = tuple([torch.zeros(n), torch.zeros(n)] if k < states_used else [] for k in range(3))
+        weights = [1.0, 1.0] if kind == "sgd" else None
+        update = OptimizerUpdate(kind, [0, 1], params, states, weights, hyper)
+        release_(grads, [0.25, 4.0], 8.0, 5, 9, 4, [update])
+        for g, total, std in zip(grads, (3.0, 0.0), (0.25, 4.0), strict=True):
+            z = (g.double() * 8.0 - total) / std
+            assert abs(z.mean().item()) < 0.02 and abs(z.std().item() - 1.0) < 0.01, (name, z.mean(), z.std())
+
+
+def test_release_refuses_what_it_cannot_do():
+    g = [torch.zeros(4)]
+    with pytest.raises(ValueError, match="scale"):
+        release_(g, [1.0], 0.0, 1, 0, 4)
+    with pytest.raises(ValueError, match="match"):
+        release_(g, [1.0], 1.0, 1, 0, 4, [OptimizerUpdate("sgd", [0], [torch.zeros(5)], hyper={"lr": 0.1})])
+    with pytest.raises(ValueError, match="kind"):
+        release_(g, [1.0], 1.0, 1, 0, 4, [OptimizerUpdate("lion", [0], [torch.zeros(4)])])
+    with pytest.raises(ValueError, match="finite"):
+        release_(g, [1.0], 1.0, 1, 0, 4, [OptimizerUpdate("sgd", [0], [torch.zeros(4)], hyper={"lr": float("nan")})])
+    with pytest.raises(ValueError, match="twice"):
+        release_(g, [1.0], 1.0, 1, 0, 4, [OptimizerUpdate("sgd", [0], [torch.zeros(4)]),
+                                           OptimizerUpdate("sgd", [0], [torch.zeros(4)])])  # fmt: skip
+    p = torch.zeros(4)
+    with pytest.raises(ValueError, match="overlaps|shares memory"):  # a state aliasing its parameter
+        release_(g, [1.0], 1.0, 1, 0, 4, [OptimizerUpdate("sgd", [0], [p], ([p], [], []), [1.0], {"momentum": 0.9})])
+    with pytest.raises(TypeError, match="float32 or float64"):
+        release_([torch.zeros(4, dtype=torch.bfloat16)], [1.0], 1.0, 1, 0, 4)
+
+
+# -- the front door: fused (default) against the release followed by torch's own step
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _train(make_optimizer, fuse: bool, steps=4, scheduler=False):
+    model = _model()
+    opt = make_optimizer(model)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(64, 6, generator=gen), torch.randint(0, 3, (64,), generator=gen)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    engine = PrivacyEngine(accountant="rdp")
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.7,
+                                             max_grad_norm=0.5, reproducible_seed=5)  # fmt: skip
+    opt.fuse_step = fuse
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if scheduler else None
+    grads = []
+    for i in range(steps):
+        xb, yb = x[16 * i : 16 * (i + 1)], y[16 * i : 16 * (i + 1)]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if sched is not None:
+            sched.step()
+    return model, opt, grads
+
+
+OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.5),
+    "sgd-momentum-dampening": lambda m: torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9, dampening=0.2,
+                                                        weight_decay=1e-3),  # fmt: skip
+    "sgd-nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9, nesterov=True, maximize=True),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=1e-3),
+    "adamw-amsgrad": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, amsgrad=True),
+    "adam-groups": lambda m: torch.optim.Adam([{"params": m[0].parameters(), "lr": 1e-2},
+                                               {"params": m[2].parameters(), "lr": 3e-3, "betas": (0.8, 0.99)}]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_fused_step_equals_the_release_then_torchs_step(name, monkeypatch):
+    applied = []
+    original = TorchOptimizerStep.updates
+
+    def spy(self, params, sums):
+        out = original(self, params, sums)
+        applied.append(out is not None)
+        return out
+
+    monkeypatch.setattr(TorchOptimizerStep, "updates", spy)
+    fused_model, fused_opt, fused_grads = _train(OPTIMIZERS[name], fuse=True)
+    assert applied and all(applied), "the fused path did not run"
+    plain_model, plain_opt, plain_grads = _train(OPTIMIZERS[name], fuse=False)
+    for x, y in zip(fused_grads[0], plain_grads[0], strict=True):  # the first released gradient: bitwise
+        assert torch.equal(x, y)
+    for a, b in zip(fused_grads, plain_grads, strict=True):  # later: the parameters differ by rounding
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    for p, q in zip(fused_model.parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    fused_state, plain_state = fused_opt.state_dict()["optimizer"], plain_opt.state_dict()["optimizer"]
+    assert fused_state["param_groups"] == plain_state["param_groups"]
+    assert fused_state["state"].keys() == plain_state["state"].keys()
+    for i, state in plain_state["state"].items():
+        assert state.keys() == fused_state["state"][i].keys()
+        for key, value in state.items():
+            have = fused_state["state"][i][key]
+            if key == "step":
+                assert have.dtype == value.dtype and have.device == value.device and have == value
+            else:
+                torch.testing.assert_close(have, value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scheduler_and_a_resumed_unfused_step_continue_the_fused_state():
+    make = OPTIMIZERS["adam"]
+    fused_model, _, _ = _train(make, fuse=True, scheduler=True, steps=5)
+    plain_model, _, _ = _train(make, fuse=False, scheduler=True, steps=5)
+    for p, q in zip(fused_model.parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_what_the_kernel_does_not_implement_runs_torchs_step():
+    model = _model()
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    assert fusable(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not fusable(MySGD(model.parameters(), lr=0.1))  # a subclass may change step()
+    assert not fusable(torch.optim.RMSprop(model.parameters()))
+    assert not fusable(torch.optim.Adam(model.parameters(), differentiable=True))
+    hooked = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked.register_step_post_hook(lambda *args: None)
+    assert not fusable(hooked)
+    patched = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(patched, step_size=1)  # wraps patched.step
+    assert not fusable(patched)
+    # bf16 parameters: no fused update, torch's step after the release
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    opt16 = torch.optim.SGD(model16.parameters(), lr=0.1)
+    params = list(model16.parameters())
+    assert TorchOptimizerStep(opt16).updates(params, [torch.zeros_like(p, dtype=torch.float32) for p in params]) is None
+    assert not opt16.state  # refused before touching the optimizer's state
+
+
+def test_rmsprop_through_the_front_door_still_steps():
+    before = [p.detach().clone() for p in _model().parameters()]
+    model, opt, _ = _train(lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-2), fuse=True, steps=1)
+    assert opt.original_optimizer.state  # torch's own step ran
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_the_reference_hyperparameter_order_is_the_kernels():
+    assert ref.HYPER_FIELDS[0] == "scale" and len(ref.HYPER_FIELDS) == 14
