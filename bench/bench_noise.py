@@ -7,6 +7,12 @@ and ``noise+update`` (p -= lr * (g + s * N(0, 1)) / scale). Reports the median t
 step reads g and p and writes p), the share of the device's measured copy bandwidth,
 and the ratio to the eager loop. Results are appended to bench/results/<device>-noise.csv.
 
+Then the release of a DP step with the user's optimizer (float32): ``release+sgd-momentum`` and
+``release+adam``, ``unfused`` (``fastdp.ops.release_``: noise and division, then torch.optim's own
+step) against ``fused`` (the optimizer's update in the release's pass, ``fastdp.engine.fused``), with
+the bytes the fused pass must move (24 and 32 per parameter) and, on a GPU, the share of the H100
+floor (those bytes / 3.0 TB/s) beside the share of the measured copy bandwidth.
+
     python bench/bench_noise.py                 # all providers that run here
     python bench/bench_noise.py --models resnet18 --repeats 5
 """
@@ -23,9 +29,15 @@ import torch
 
 import fastdp
 from fastdp._backend import available
-from fastdp.ops import add_noise_, noisy_sgd_step_
+from fastdp.engine.fused import TorchOptimizerStep
+from fastdp.ops import add_noise_, noisy_sgd_step_, release_
 
 LR, SCALE, STD = 0.1, 256.0, 1.0
+H100_BYTES_PER_S = 3.0e12  # HBM3 sustained (docstrings of kernels/*.py)
+RELEASES = {  # op -> (torch optimizer, bytes per float32 parameter of the fused pass)
+    "release+sgd-momentum": (lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9), 24),
+    "release+adam": (lambda params: torch.optim.Adam(params, lr=1e-3), 32),
+}
 
 
 def resnet18_shapes() -> list[tuple[int, ...]]:
@@ -161,9 +173,60 @@ def main(argv: list[str] | None = None) -> int:
                         f"x{row['speedup_vs_eager']} vs eager",
                         flush=True,
                     )
+        rows += release_rows(model, shapes, device, measure, copy_gbps, info)
     fastdp.set_backend(previous)
     harness.write_rows(rows, args.out, f"{device_name}-noise")
     return 0
+
+
+def release_rows(model: str, shapes, device: torch.device, measure, copy_gbps: float, info: dict) -> list[dict]:
+    """The release with the user's optimizer, unfused against fused, for each kernel backend that runs here."""
+    rows = []
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    counter = iter(range(1 << 62))
+    backends = [b for b in ("cuda", "triton") if available(b, device.type)[0]]
+    backends = [b for b in backends if not (b == "triton" and device.type == "cpu")]  # the interpreter: tests only
+    for op, (make, bytes_per_element) in RELEASES.items():
+        for backend in backends:
+            fastdp.set_backend(backend)
+            params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+            sums = [torch.randn(s, device=device) for s in shapes]
+            optimizer = make(params)
+
+            def unfused(params=params, sums=sums, optimizer=optimizer):
+                release_(sums, [STD] * len(sums), SCALE, 1, next(counter), 4)
+                for p, g in zip(params, sums, strict=True):
+                    p.grad = g
+                optimizer.step()
+
+            def fused(params=params, sums=sums, optimizer=optimizer):
+                updates = TorchOptimizerStep(optimizer).updates(params, sums)
+                release_(sums, [STD] * len(sums), SCALE, 1, next(counter), 4, updates)
+                for p, g in zip(params, sums, strict=True):
+                    p.grad = g
+
+            base_ms = None
+            for provider, fn in (("unfused", unfused), ("fused", fused)):
+                med, p20, p80 = measure(fn)
+                base_ms = med if provider == "unfused" else base_ms
+                gbps = numel * bytes_per_element / (med * 1e-3) / 1e9
+                floor = f"{100 * numel * bytes_per_element / H100_BYTES_PER_S / (med * 1e-3):.1f}"
+                row = dict(
+                    op=op, provider=f"fastdp-{backend if device.type == 'cuda' else 'cpu'}-{provider}",
+                    shape=f"{model}:{len(shapes)}x{numel}", dtype="float32", median_ms=f"{med:.4f}",
+                    p20_ms=f"{p20:.4f}", p80_ms=f"{p80:.4f}", gbps=f"{gbps:.1f}",
+                    pct_copy_bw=f"{100 * gbps / copy_gbps:.1f}", speedup_vs_eager=f"{base_ms / med:.2f}",
+                    peak_mem_mb="nan", **info,
+                )  # fmt: skip
+                rows.append(row)
+                share = f"  {floor:>5s}% of the H100 floor" if device.type == "cuda" else ""
+                print(
+                    f"{model:16s} float32   {op:21s} {row['provider']:22s} {med:10.3f} ms ({p20:.3f}, {p80:.3f})  "
+                    f"{gbps:7.1f} GB/s  {row['pct_copy_bw']:>5s}% copy{share}  x{row['speedup_vs_eager']} vs unfused",
+                    flush=True,
+                )
+            del params, sums, optimizer
+    return rows
 
 
 if __name__ == "__main__":
