@@ -20,10 +20,12 @@ fp32 tiles use IEEE fp32 products (``input_precision="ieee"``: no TF32 rounding)
 Floors on an H100 (H100 SXM, HBM3 at 3.0 TB/s sustained (3.35 peak), fp32 67 TFLOP/s without tensor cores, bf16/fp16
 tensor cores 989 TFLOP/s dense); nothing measured on a GPU yet. The ghost norm of one example costs T^2 (d + p)
 multiply-adds, half of them with symmetric tiles, and reads A and G once, T (d + p) elements: for B 32, T 512, d = p
-= 768 that is 6.4 G multiply-adds (12.9 GFLOP) against 100 MB of float32, so 0.19 ms on fp32 CUDA cores (this kernel
-today) and 13 us on bf16 tensor cores (the mma/wgmma path, owed), against 33 us of reading. The clip factors read
-[L, B] once: bandwidth-bound and tiny. Target: >= 50 % of the fp32 floor now, of the tensor-core floor once the bf16
-path exists.
+= 768 that is 6.4 G multiply-adds (12.9 GFLOP) against 100 MB of float32, so 0.19 ms on fp32 CUDA cores (float32
+inputs) and 13 us on bf16 tensor cores (bf16/fp16 inputs: wgmma for 64-row tiles, mma.sync for 16 and 32, fp32
+accumulation; the sm_90 compile check asserts it, ``hopper_ptx_present``), against 33 us of reading (50 MB in bf16:
+17 us). bf16 and fp16 products are exact in fp32, so the tensor cores change only the order of the fp32 sums. The
+clip factors read [L, B] once: bandwidth-bound and tiny. Target: >= 50 % of the fp32 floor for float32 inputs and of
+the tensor-core floor (or of reading, whichever is longer) for bf16/fp16.
 """
 
 from __future__ import annotations
@@ -130,6 +132,13 @@ def _clip_factors_kernel(
     tl.store(factors_ptr + cols, factors, mask=mask)
 
 
+def hopper_ptx_present() -> dict:
+    """PTX the sm_90 compile check must find: fp16/bf16 tiles multiplied on the tensor cores (``wgmma`` or ``mma``
+    with fp32 accumulation), never upcast to fp32 FMAs."""
+    tensor_cores = r"(wgmma\.mma_async|mma\.sync)[.a-z0-9]*\.f32\.(bf16|f16)"
+    return {"_ghost_norm_sq_kernel": [({"UPCAST": False}, tensor_cores)]}
+
+
 def _device_guard(x: torch.Tensor):
     """Triton launches on the current device's stream: make x's device current."""
     return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
@@ -182,8 +191,9 @@ def clip_factors(sq_norms: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor
 def hopper_compile_specs():
     """(kernel, signature, constexprs) of every kernel here, for the sm_90 compile check."""
     specs = []
+    tiles = [(block_t, block_k) for block_t in (16, 32, BLOCK_T) for block_k in (16, BLOCK_K)]  # _block_t, _block_k
     for ptr in ("*fp32", "*fp16", "*bf16"):
-        for block_t, block_k in ((BLOCK_T, BLOCK_K), (16, 16)):
+        for block_t, block_k in tiles:
             specs.append(
                 (
                     _ghost_norm_sq_kernel,

@@ -469,3 +469,11 @@ def test_compiles_fullgraph(restore_backend):
     compiled = torch.compile(clip, fullgraph=True, backend="aot_eager")(*args)
     for c, e in zip(compiled, eager, strict=True):
         torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
+def test_every_triton_tile_the_launcher_chooses_is_compile_checked():
+    """The sm_90 compile check (tests/hopper_compile.py) covers each (BLOCK_T, BLOCK_K) that ghost_norm_sq launches."""
+    triton_norms = pytest.importorskip("fastdp.kernels.norms")
+    checked = {(c["BLOCK_T"], c["BLOCK_K"]) for fn, _, c, *_ in triton_norms.hopper_compile_specs() if "BLOCK_T" in c}
+    launched = {(triton_norms._block_t(t), triton_norms._block_k(w)) for t in range(1, 300) for w in range(1, 300)}
+    assert launched <= checked, sorted(launched - checked)
