@@ -2,7 +2,7 @@
 
 For each matrix X_l [m_l, n_l] with m_l >= n_l (a wide matrix is transposed on the host), ``iters`` steps of
 
-    G = X^T X                                   [n, n], fp32 tl.dot (IEEE, no TF32)
+    G = X^T X                                   [n, n], fp32 tl.dot (IEEE, no TF32); upper tiles, mirrored
     X <- (1 + beta) X - beta X G                the update fused into the X G product
 
 Batched over the whole list with no pointer tables (so the same path runs under ``TRITON_INTERPRET=1``), as
@@ -24,9 +24,9 @@ time of each launch (fine for the layer lists of Lipschitz networks). Tiles are 
 interpreter has no low-precision tl.dot).
 
 Floors on an H100 (H100 SXM, HBM3 at 3.0 TB/s sustained (3.35 peak), fp32 67 TFLOP/s without tensor cores, 3xTF32
-about 160 TFLOP/s); nothing measured on a GPU yet. Each Björck iteration forms the Gram X^T X (m n^2 multiply-adds,
-half of them for its symmetric half) and the update X (a I + b X^T X) (m n^2): about 4 m n^2 FLOP, so for 1024 x
-1024 float32 4.3 GFLOP, 64 us on fp32 cores and 27 us with 3xTF32 tensor cores (owed). One program per small matrix
+about 160 TFLOP/s); nothing measured on a GPU yet. Each Björck iteration forms the Gram X^T X (m n^2 / 2 multiply-adds:
+its upper tiles, each stored twice) and the update X (a I + b X^T X) (m n^2): about 3 m n^2 FLOP, so for 1024 x
+1024 float32 3.2 GFLOP, 48 us on fp32 cores and 20 us with 3xTF32 tensor cores (owed). One program per small matrix
 (the fused kernel) uses one SM. Target: >= 2x a plain torch loop for n <= 1024, no host synchronisation.
 """
 
@@ -135,9 +135,11 @@ def _bjorck_fused_kernel(
         x_ptr = buf_ptr + (step % 2) * half64 + x_off
         y_ptr = buf_ptr + ((step + 1) % 2) * half64 + x_off
         for i0 in range(0, n, BLOCK):
-            for j0 in range(0, n, BLOCK):
+            for j0 in range(i0, n, BLOCK):  # the upper triangle of tiles, mirrored: G is symmetric
                 g = _gram_tile(x_ptr, i0, j0, m, n, BLOCK)
                 _store_gram_tile(gram, g, i0, j0, n, BLOCK)
+                if j0 != i0:
+                    _store_gram_tile(gram, tl.trans(g), j0, i0, n, BLOCK)
         tl.debug_barrier()  # G visible to every thread
         for r0 in range(0, m, BLOCK):
             for j0 in range(0, n, BLOCK):
@@ -152,12 +154,13 @@ def _gram_kernel(
     meta_ptr,  # int64 [L_large, 4]: X offset, G offset, m, n (m >= n)
     BLOCK: tl.constexpr,
 ):
-    """Program (i, j, l): tile (i, j) of ``G_l = X_l^T X_l``; nothing when the tile lies outside G_l."""
+    """Program (i, j, l), i <= j: tiles (i, j) and (j, i) of ``G_l = X_l^T X_l`` (symmetric: one product, stored
+    twice); nothing for i > j or a tile outside G_l."""
     layer = tl.program_id(2).to(tl.int64)
     n = tl.load(meta_ptr + layer * 4 + 3)
     i0 = tl.program_id(0).to(tl.int64) * BLOCK
     j0 = tl.program_id(1).to(tl.int64) * BLOCK
-    if i0 >= n:
+    if j0 < i0:
         return
     if j0 >= n:
         return
@@ -166,6 +169,8 @@ def _gram_kernel(
     m = tl.load(meta_ptr + layer * 4 + 2)
     g = _gram_tile(x, i0, j0, m, n, BLOCK)
     _store_gram_tile(gram, g, i0, j0, n, BLOCK)
+    if j0 != i0:
+        _store_gram_tile(gram, tl.trans(g), j0, i0, n, BLOCK)
 
 
 @triton.jit
