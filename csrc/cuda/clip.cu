@@ -196,6 +196,21 @@ __device__ __forceinline__ float group_sum(float v, int group) {
 // ------------------------------------------------------------------------------------------ l2: elements
 // x, g: the range's first element in global memory or (kShared) in the block's copy; out: global memory.
 
+// One round of the vector sweeps: vectors j + k kThreads (k < kUnroll) of xv (and gv when kTwo), 16 bytes each,
+// zero past nv; all loads issued before any is used.
+template <typename T, bool kTwo, bool kShared>
+__device__ __forceinline__ void load_round(const T* xv, const T* gv, int64_t j, int64_t nv, uint4 (&a)[kUnroll],
+                                           uint4 (&b)[kUnroll]) {
+  constexpr int V = kVec<T>;
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const int64_t jk = j + k * kThreads;
+    const bool in = jk < nv;
+    a[k] = in ? ld16<kShared>(xv + jk * V) : make_uint4(0u, 0u, 0u, 0u);
+    b[k] = kTwo && in ? ld16<kShared>(gv + jk * V) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // This thread's share of (sum x^2, sum g x) over elements [0, n). Vectors j = threadIdx.x + k * kThreads in rounds
 // of kUnroll (loads in flight together), each in element order, then its head and its tail element (< V each);
 // no vectors: scalars i = threadIdx.x + k * kThreads in rounds of kUnroll.
@@ -232,13 +247,7 @@ __device__ __forceinline__ float2 elem_sums(const T* __restrict__ x, const T* __
 #pragma unroll 1
   for (int64_t j = threadIdx.x; j < nv; j += kUnroll * kThreads) {
     uint4 a[kUnroll], b[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int64_t jk = j + k * kThreads;
-      const bool in = jk < nv;
-      a[k] = in ? ld16<kShared>(xv + jk * V) : make_uint4(0u, 0u, 0u, 0u);
-      b[k] = kDot && in ? ld16<kShared>(gv + jk * V) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    load_round<T, kDot, kShared>(xv, gv, j, nv, a, b);
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       if (j + k * kThreads < nv) {
@@ -291,13 +300,7 @@ __device__ __forceinline__ void elem_apply(const T* __restrict__ x, const T* __r
 #pragma unroll 1
   for (int64_t j = threadIdx.x; j < nv; j += kUnroll * kThreads) {
     uint4 a[kUnroll], b[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      const int64_t jk = j + k * kThreads;
-      const bool in = jk < nv;
-      a[k] = in ? ld16<kShared>(xv + jk * V) : make_uint4(0u, 0u, 0u, 0u);
-      b[k] = kBackward && in ? ld16<kShared>(gv + jk * V) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    load_round<T, kBackward, kShared>(xv, gv, j, nv, a, b);
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int64_t jk = j + k * kThreads;
