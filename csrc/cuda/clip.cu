@@ -193,9 +193,6 @@ __device__ __forceinline__ float group_sum(float v, int group) {
   return v;
 }
 
-// ------------------------------------------------------------------------------------------ l2: elements
-// x, g: the range's first element in global memory or (kShared) in the block's copy; out: global memory.
-
 // One round of the vector sweeps: vectors j + k kThreads (k < kUnroll) of xv (and gv when kTwo), 16 bytes each,
 // zero past nv; all loads issued before any is used.
 template <typename T, bool kTwo, bool kShared>
@@ -210,6 +207,9 @@ __device__ __forceinline__ void load_round(const T* xv, const T* gv, int64_t j, 
     b[k] = kTwo && in ? ld16<kShared>(gv + jk * V) : make_uint4(0u, 0u, 0u, 0u);
   }
 }
+
+// ------------------------------------------------------------------------------------------ l2: elements
+// x, g: the range's first element in global memory or (kShared) in the block's copy; out: global memory.
 
 // This thread's share of (sum x^2, sum g x) over elements [0, n). Vectors j = threadIdx.x + k * kThreads in rounds
 // of kUnroll (loads in flight together), each in element order, then its head and its tail element (< V each);
