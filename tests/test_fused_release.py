@@ -71,30 +71,32 @@ UPDATES = {
 }
 
 
-def _run(name, backend_name, num_draws=4):
+def _release_args(name):
     kind, hyper, states_used = UPDATES[name]
-    fastdp.set_backend(backend_name)
     grads, params, states = _tensors()
     states = tuple(states[k] if k < states_used else [] for k in range(3))
     weights = [1.0, 0.9, 0.9, 1.0, 0.5] if kind == "sgd" and states[0] else None
-    update = OptimizerUpdate(kind, list(range(len(SIZES))), params, states, weights, hyper)
-    release_(grads, [0.5, 0.0, 2.0, 1.0, 3.0], 4.0, 11, 2**40 + 3, num_draws, [update])
-    return grads, params, states
+    return kind, hyper, grads, params, states, weights
 
 
 @pytest.mark.parametrize("name", list(UPDATES))
 @pytest.mark.parametrize("num_draws", [1, 4])
-def test_the_extensions_fused_release_matches_the_reference(name, num_draws):
-    if not (fastdp._ext._C is not None):
-        pytest.skip("fastdp._C not built")
-    try:
-        expected = _run(name, "torch", num_draws)
-        got = _run(name, "cuda", num_draws)
-    finally:
-        fastdp.set_backend("auto")
-    for want, have in zip(expected, got, strict=True):
-        for a, b in zip(want, have, strict=True):
-            torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6)
+def test_every_backend_releases_what_the_reference_does(device_backend, name, num_draws):
+    """Each backend on each device (the CUDA ones under ``pytest -m cuda``) against the float64 reference on CPU."""
+    device, _ = device_backend
+    kind, hyper, grads, params, states, weights = _release_args(name)
+    want = [[x.clone() for x in tensors] for tensors in (grads, params, *states)]
+    stds, scale, seed, offset = [0.5, 0.0, 2.0, 1.0, 3.0], 4.0, 11, 2**40 + 3
+    update = OptimizerUpdate(kind, list(range(len(SIZES))), want[1], tuple(want[2:]), weights, hyper)
+    ref.release_(want[0], want[1], want[2:], stds, ref.stream_starts(SIZES), weights or [1.0] * len(SIZES), seed,
+                 offset, num_draws, {"sgd": ref.RELEASE_SGD, "adam": ref.RELEASE_ADAM}[kind],
+                 update.hyper_values(scale))  # fmt: skip
+    have = [[x.to(device) for x in tensors] for tensors in (grads, params, *states)]
+    update = OptimizerUpdate(kind, list(range(len(SIZES))), have[1], tuple(have[2:]), weights, hyper)
+    release_(have[0], stds, scale, seed, offset, num_draws, [update])
+    for expected, got in zip(want, have, strict=True):
+        for a, b in zip(expected, got, strict=True):
+            torch.testing.assert_close(b.cpu(), a, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS, indirect=True)
@@ -103,7 +105,9 @@ def test_the_released_gradient_does_not_depend_on_the_update(backend):
     plain, _, _ = _tensors()
     release_(plain, [0.5, 0.0, 2.0, 1.0, 3.0], 4.0, 11, 2**40 + 3, 4)
     for name in UPDATES:
-        grads, _, _ = _run(name, backend)
+        kind, hyper, grads, params, states, weights = _release_args(name)
+        update = OptimizerUpdate(kind, list(range(len(SIZES))), params, states, weights, hyper)
+        release_(grads, [0.5, 0.0, 2.0, 1.0, 3.0], 4.0, 11, 2**40 + 3, 4, [update])
         for a, b in zip(plain, grads, strict=True):
             assert torch.equal(a, b), name
 
