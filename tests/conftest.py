@@ -61,21 +61,16 @@ def noise_draws(monkeypatch):
     from fastdp.ops import noise as noise_module
 
     draws = []
+    real = noise_module._kernel
 
-    def recording(select):
-        def chosen(backend):
-            run = select(backend)
+    def chosen(backend, op="noise_"):
+        run = real(backend, op)
 
-            def recorded(*args):
-                seed, offset, num_draws = args[-5:-2] if select is real_release else args[-4:-1]
-                draws.append((seed, offset, num_draws))
-                return run(*args)
+        def recorded(*args):  # noise_: (..., seed, offset, num_draws, step); release_: (..., update, hyper) after
+            draws.append(tuple(args[-5:-2] if op == "release_" else args[-4:-1]))
+            return run(*args)
 
-            return recorded
+        return recorded
 
-        return chosen
-
-    real_release = noise_module._release_kernel
-    monkeypatch.setattr(noise_module, "_kernel", recording(noise_module._kernel))
-    monkeypatch.setattr(noise_module, "_release_kernel", recording(real_release))
+    monkeypatch.setattr(noise_module, "_kernel", chosen)
     return draws

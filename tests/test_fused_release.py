@@ -267,3 +267,16 @@ def test_rmsprop_through_the_front_door_still_steps():
 
 def test_the_reference_hyperparameter_order_is_the_kernels():
     assert ref.HYPER_FIELDS[0] == "scale" and len(ref.HYPER_FIELDS) == 14
+
+
+def test_non_contiguous_parameters_and_state_are_updated_in_place():
+    """A channels-last or transposed parameter (and its state) runs on contiguous copies written back."""
+    gen = torch.Generator().manual_seed(4)
+    sums = [torch.randn(6, 5, generator=gen)]
+    param, buffer = torch.randn(5, 6, generator=gen).T, torch.randn(5, 6, generator=gen).T  # non-contiguous views
+    want_sums, want_param, want_buffer = sums[0].clone(), param.contiguous(), buffer.contiguous()
+    hyper = {"lr": 0.1, "momentum": 0.9}
+    release_([want_sums], [0.5], 2.0, 3, 4, 4, [OptimizerUpdate("sgd", [0], [want_param], ([want_buffer], [], []),
+                                                                [0.9], hyper)])  # fmt: skip
+    release_(sums, [0.5], 2.0, 3, 4, 4, [OptimizerUpdate("sgd", [0], [param], ([buffer], [], []), [0.9], hyper)])
+    assert torch.equal(sums[0], want_sums) and torch.equal(param, want_param) and torch.equal(buffer, want_buffer)

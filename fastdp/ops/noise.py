@@ -51,14 +51,26 @@ SECURE_DRAWS = NOISE_DRAWS  # the 4-draw sum: secure=True, num_draws=4, every fa
 _EXACT_OVERLAP_ELEMENTS = 1 << 20
 
 
-def _kernel(backend: str):
+def _kernel(backend: str, op: str = "noise_"):
+    """The backend's ``noise_`` or ``release_`` (each with one calling convention: ``fastdp.ref.noise``)."""
     if backend == "torch":
-        return ref.noise_
+        return getattr(ref, op)
     if backend == "triton":
         from fastdp.kernels import noise as triton_noise
 
-        return triton_noise.noise_
-    return _ext._C.noise_
+        return getattr(triton_noise, op)
+    return getattr(_ext._C, op)
+
+
+def _run_contiguous(run, lists: list[list[torch.Tensor]], written: set[int], *args) -> None:
+    """``run(*buffers, *args)``: each of ``lists`` (the kernel's tensor-list arguments, in order) as contiguous
+    buffers; a non-contiguous tensor of a list in ``written`` (positions) gets its buffer's result copied back."""
+    buffers = [[x.contiguous() for x in tensors] for tensors in lists]
+    run(*buffers, *args)
+    for k in written:
+        for target, buf in zip(lists[k], buffers[k], strict=True):
+            if buf.data_ptr() != target.data_ptr():
+                target.copy_(buf)
 
 
 def _check(grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], stds: Sequence[float]) -> None:
@@ -180,15 +192,10 @@ def _apply(
     for dtype in dict.fromkeys(grads[t].dtype for t in work):
         group = [t for t in work if grads[t].dtype == dtype]
         run = _kernel(backend if dtype in _KERNEL_DTYPES else "torch")  # float64: the reference
-        # Non-contiguous tensors run on contiguous copies; results are copied back.
-        targets = [params[t] if fused else grads[t] for t in group]
-        g_buf = [grads[t].contiguous() for t in group]
-        p_buf = [params[t].contiguous() for t in group] if fused else []
+        lists = [[grads[t] for t in group], [params[t] for t in group] if fused else []]
         with torch.no_grad():
-            run(g_buf, p_buf, [stds[t] for t in group], [starts[t] for t in group], seed, offset, num_draws, step)
-            for target, buf in zip(targets, p_buf if fused else g_buf, strict=True):
-                if buf.data_ptr() != target.data_ptr():
-                    target.copy_(buf)
+            _run_contiguous(run, lists, {1 if fused else 0}, [stds[t] for t in group], [starts[t] for t in group],
+                            seed, offset, num_draws, step)  # fmt: skip
 
 
 @torch.library.custom_op("fastdp::add_noise_", mutates_args=("grads",))
@@ -402,17 +409,7 @@ class OptimizerUpdate:
         return [float(values.get(name, 0.0)) for name in ref.HYPER_FIELDS]
 
 
-_UPDATE_KINDS = {"sgd": ref.RELEASE_SGD, "adam": ref.RELEASE_ADAM}
-
-
-def _release_kernel(backend: str):
-    if backend == "torch":
-        return ref.release_
-    if backend == "triton":
-        from fastdp.kernels import noise as triton_noise
-
-        return triton_noise.release_
-    return _ext._C.release_
+_UPDATE_KINDS = {"sgd": ref.RELEASE_SGD, "adam": ref.RELEASE_ADAM}  # and "release" (no update): release_'s own
 
 
 def _check_update(u: OptimizerUpdate, grads: list[torch.Tensor], claimed: set[int]) -> None:
@@ -469,27 +466,24 @@ def release_(
     written = [*grads, *(x for u in updates for x in (*u.params, *(x for s in u.states for x in s)))]
     _check_memory(written, [])
     starts = ref.stream_starts([g.numel() for g in grads])
-    plain = [t for t in range(len(grads)) if t not in claimed]
-    groups = [(ref.RELEASE, plain, [], ([], [], []), [1.0] * len(plain), OptimizerUpdate("sgd", [], []))]
-    for u in updates:
-        weights = u.grad_weights if u.grad_weights is not None else [1.0] * len(u.index)
-        groups.append((_UPDATE_KINDS[u.kind], u.index, u.params, u.states, weights, u))
+    plain = OptimizerUpdate("release", [t for t in range(len(grads)) if t not in claimed], [])
     backend = _backend.select("noise", grads[0].device.type) if grads else "torch"
     with torch.no_grad():
-        for kind, index, params, states, weights, u in groups:
+        for u in (plain, *updates):
+            kind = _UPDATE_KINDS.get(u.kind, ref.RELEASE)
+            weights = u.grad_weights if u.grad_weights is not None else [1.0] * len(u.index)
             hyper = u.hyper_values(scale)
             for dtype in (torch.float32, torch.float64):
-                chosen = [i for i, t in enumerate(index) if grads[t].dtype == dtype and grads[t].numel()]
+                chosen = [i for i, t in enumerate(u.index) if grads[t].dtype == dtype and grads[t].numel()]
                 if not chosen:
                     continue
-                run = _release_kernel(backend if dtype == torch.float32 else "torch")
-                targets = [[grads[index[i]] for i in chosen], [params[i] for i in chosen] if params else [],
-                           *([s[i] for i in chosen] if s else [] for s in states)]  # fmt: skip
-                buffers = [[x.contiguous() for x in tensors] for tensors in targets]
-                run(buffers[0], buffers[1], buffers[2:], [stds[index[i]] for i in chosen],
-                    [starts[index[i]] for i in chosen], [float(weights[i]) for i in chosen], seed, offset,
-                    num_draws, kind, hyper)  # fmt: skip
-                for tensors, copies in zip(targets, buffers, strict=True):
-                    for target, buf in zip(tensors, copies, strict=True):
-                        if buf.data_ptr() != target.data_ptr():
-                            target.copy_(buf)
+                lists = [[grads[u.index[i]] for i in chosen], [u.params[i] for i in chosen] if u.params else [],
+                         *([s[i] for i in chosen] if s else [] for s in u.states)]  # fmt: skip
+                kernel = _kernel(backend if dtype == torch.float32 else "torch", "release_")  # float64: the reference
+
+                def run(g, p, s0, s1, s2, *rest, kernel=kernel):  # the kernels take the states as one list
+                    kernel(g, p, [s0, s1, s2], *rest)
+
+                _run_contiguous(run, lists, set(range(5)), [stds[u.index[i]] for i in chosen],
+                                [starts[u.index[i]] for i in chosen], [float(weights[i]) for i in chosen], seed,
+                                offset, num_draws, kind, hyper)  # fmt: skip
