@@ -163,7 +163,17 @@ void release_(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor
   auto f = [&](int i) { return static_cast<float>(hyper[i]); };
   args.opt = UpdateArgs{f(0), f(1), f(2), f(3), f(4), f(5), f(6), f(7), f(8), f(9), f(10),
                         hyper[11] != 0, hyper[12] != 0, hyper[13] != 0};
-  launch_noise(grads, params, states, stds, stream_starts, grad_weights, args);
+  // The states the update reads and writes (release_element); only those reach the kernels.
+  const bool sgd = update == 3, adam = update == 4;
+  const bool needed[3] = {(sgd && args.opt.momentum != 0.0f) || adam, adam, adam && args.opt.amsgrad};
+  TORCH_CHECK(states.size() == 3, "fastdp release: three state lists (empty where unused)");
+  std::vector<std::vector<at::Tensor>> used(3);
+  for (int k = 0; k < 3; ++k) {
+    TORCH_CHECK(!needed[k] || grads.empty() || !states[k].empty(), "fastdp release: update ", update,
+                " with these hyperparameters reads and writes optimizer state ", k, "; pass one tensor per grad");
+    if (needed[k]) used[k] = states[k];
+  }
+  launch_noise(grads, params, used, stds, stream_starts, grad_weights, args);
 }
 
 // Element kind of a ghost-norm input (fp32, fp16, bf16; float64 runs the torch reference).

@@ -280,3 +280,25 @@ def test_non_contiguous_parameters_and_state_are_updated_in_place():
                                                                 [0.9], hyper)])  # fmt: skip
     release_(sums, [0.5], 2.0, 3, 4, 4, [OptimizerUpdate("sgd", [0], [param], ([buffer], [], []), [0.9], hyper)])
     assert torch.equal(sums[0], want_sums) and torch.equal(param, want_param) and torch.equal(buffer, want_buffer)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS, indirect=True)
+def test_a_missing_optimizer_state_is_refused_and_an_unused_one_untouched(backend):
+    g, p = [torch.zeros(8)], [torch.zeros(8)]
+    with pytest.raises(ValueError, match=r"optimizer states \[0\]"):  # momentum without its buffer
+        release_(g, [1.0], 1.0, 1, 0, 4, [OptimizerUpdate("sgd", [0], p, hyper={"lr": 0.1, "momentum": 0.9})])
+    adam = {"lr": 1e-3, "beta1_weight": 0.1, "beta2": 0.999, "beta2_weight": 1e-3, "eps": 1e-8, "amsgrad": True}
+    with pytest.raises(ValueError, match=r"optimizer states \[2\]"):  # amsgrad without max_exp_avg_sq
+        release_(g, [1.0], 1.0, 1, 0, 4, [OptimizerUpdate("adam", [0], p, ([torch.zeros(8)], [torch.zeros(8)], []),
+                                                          hyper=adam)])  # fmt: skip
+    unused = torch.full((8,), 7.0)  # a buffer given to SGD without momentum is neither read nor written
+    release_(g, [1.0], 1.0, 1, 0, 4, [OptimizerUpdate("sgd", [0], p, ([unused], [], []), [1.0], {"lr": 0.1})])
+    assert torch.equal(unused, torch.full((8,), 7.0))
+
+
+@pytest.mark.skipif(fastdp._ext._C is None, reason="fastdp._C not built")
+def test_the_extension_refuses_a_missing_state_itself():
+    hyper = [1.0, 0.1, 0.0, 1.0, 0.9, 0, 0, 0, 0, 0, 1.0, 0, 0, 0]  # SGD, momentum 0.9
+    with pytest.raises(RuntimeError, match="optimizer state 0"):
+        fastdp._ext._C.release_([torch.zeros(8)], [torch.zeros(8)], [[], [], []], [1.0], [0], [1.0], 1, 0, 4, 3,
+                                hyper)  # fmt: skip

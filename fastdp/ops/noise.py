@@ -398,6 +398,14 @@ class OptimizerUpdate:
     grad_weights: list[float] | None = None
     hyper: dict[str, float] = field(default_factory=dict)
 
+    def needed_states(self) -> tuple[bool, bool, bool]:
+        """Which of ``states`` the update reads and writes (the kernels' rule: a value is "on" when nonzero in
+        float32); the others are not passed to the kernels."""
+        on = {name: abs(float(self.hyper.get(name, 0.0))) > 2.0**-150 for name in ("momentum", "amsgrad")}  # float32 0
+        if self.kind == "sgd":
+            return on["momentum"], False, False
+        return self.kind == "adam", self.kind == "adam", self.kind == "adam" and on["amsgrad"]
+
     def hyper_values(self, scale: float) -> list[float]:
         values = {"decay": 1.0, "bc2_sqrt": 1.0, **self.hyper, "scale": scale}
         unknown = set(values) - set(ref.HYPER_FIELDS)
@@ -417,10 +425,13 @@ def _check_update(u: OptimizerUpdate, grads: list[torch.Tensor], claimed: set[in
         raise ValueError(f"fastdp release: update kind {u.kind!r}; expected one of {sorted(_UPDATE_KINDS)}")
     if len(u.params) != len(u.index) or any(s and len(s) != len(u.index) for s in u.states):
         raise ValueError("fastdp release: an update needs one param (and one tensor per state list) per index")
+    missing = [k for k, need in enumerate(u.needed_states()) if need and not (u.states[k] or not u.index)]
+    if missing:
+        raise ValueError(f"fastdp release: this {u.kind} update reads and writes optimizer states {missing} (SGD: "
+                         "the momentum buffer when momentum != 0; Adam: exp_avg, exp_avg_sq, and max_exp_avg_sq with "
+                         "amsgrad); pass one tensor per param in each")  # fmt: skip
     if u.kind == "sgd" and u.states[0] and (u.grad_weights is None or len(u.grad_weights) != len(u.index)):
         raise ValueError("fastdp release: SGD with momentum needs one gradient weight per momentum buffer")
-    if u.kind == "adam" and not (u.states[0] and u.states[1]):
-        raise ValueError("fastdp release: Adam needs exp_avg and exp_avg_sq (states 0 and 1)")
     for position, t in enumerate(u.index):
         if not 0 <= t < len(grads) or t in claimed:
             raise ValueError(f"fastdp release: index {t} is out of range or updated twice")
@@ -478,7 +489,8 @@ def release_(
                 if not chosen:
                     continue
                 lists = [[grads[u.index[i]] for i in chosen], [u.params[i] for i in chosen] if u.params else [],
-                         *([s[i] for i in chosen] if s else [] for s in u.states)]  # fmt: skip
+                         *([s[i] for i in chosen] if need else [] for s, need in zip(u.states, u.needed_states(),
+                                                                                       strict=True))]  # fmt: skip
                 kernel = _kernel(backend if dtype == torch.float32 else "torch", "release_")  # float64: the reference
 
                 def run(g, p, s0, s1, s2, *rest, kernel=kernel):  # the kernels take the states as one list
