@@ -35,8 +35,8 @@ interpreter has no low-precision tl.dot).
 Floors on an H100 (H100 SXM, HBM3 at 3.0 TB/s sustained (3.35 peak), fp32 67 TFLOP/s without tensor cores, 3xTF32
 about 160 TFLOP/s); nothing measured on a GPU yet. Each Björck iteration forms the Gram X^T X (m n^2 / 2 multiply-adds:
 its upper tiles, each stored twice) and the update X (a I + b X^T X) (m n^2): about 3 m n^2 FLOP, so for 1024 x
-1024 float32 3.2 GFLOP, 48 us on fp32 cores and 20 us with 3xTF32 tensor cores (this kernel). One program per small matrix
-(the fused kernel) uses one SM. Target: >= 2x a plain torch loop for n <= 1024, no host synchronisation.
+1024 float32 3.2 GFLOP, 48 us on fp32 cores and 20 us with 3xTF32 tensor cores (this kernel). One program per
+small matrix (the fused kernel) uses one SM. Target: >= 2x a plain torch loop for n <= 1024, no host synchronisation.
 """
 
 from __future__ import annotations
