@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import fastdp
 import fastdp._ext
+from fastdp._backend import available
 from fastdp.ops import certified_spectral_norm, certified_spectral_norms, conv_operator_norm, power_iteration
 from fastdp.ref import spectral as ref
 
@@ -80,6 +81,92 @@ def test_power_iteration_triton_bf16_and_mixed_dtypes(device_backend):
     sigma, us, vs = power_iteration(weights, iters=5)
     expected = ref.power_iteration([w.double().cpu() for w in weights], None, 5)
     torch.testing.assert_close(sigma.cpu().double(), expected[0], rtol=1e-5, atol=1e-5)
+
+
+def _triton_or_skip():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ok, why = available("triton", device)
+    if not ok:
+        pytest.skip(why)
+    fastdp.set_backend("triton")
+    from fastdp.kernels import spectral as kernels
+
+    return device, kernels
+
+
+# The split path over several regions in both directions, ragged edges, 1-row and 1-column matrices, a zero matrix,
+# low precision: the threshold and the regions per matrix are lowered to keep the interpreter quick.
+SPLIT = [
+    ((70, 300), torch.float32),
+    ((300, 40), torch.float32),
+    ((1, 700), torch.float32),
+    ((700, 1), torch.float32),
+    ((33, 20), torch.float32),  # one-program path beside the split ones
+    ((90, 260), torch.bfloat16),
+    ((64, 64), torch.float16),
+    ((40, 150), None),  # zero matrix
+]
+
+
+def test_power_iteration_split_path_matches_reference(monkeypatch, restore_backend):
+    device, kernels = _triton_or_skip()
+    monkeypatch.setattr(kernels, "SPLIT_MIN_NUMEL", 1000)
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 6)
+    assert kernels._regions(70, 300) == (64, 128)  # 2 x 3 regions, ragged in both directions
+    weights = [(_random(*shape, dtype or torch.float32, seed=i) if dtype else torch.zeros(shape)).to(device)
+               for i, (shape, dtype) in enumerate(SPLIT)]  # fmt: skip
+    vectors = [_random(1, w.shape[1], seed=20 + i)[0].to(device) for i, w in enumerate(weights)]
+    for iters in (1, 2, 7):
+        sigma, us, vs = power_iteration(weights, vectors, iters=iters)
+        expected = ref.power_iteration([w.double().cpu() for w in weights], [u.double().cpu() for u in vectors], iters)
+        for i, w in enumerate(weights):
+            tol = dict(rtol=2e-5, atol=1e-6) if w.dtype == torch.float32 else dict(rtol=1e-5, atol=1e-5)
+            msg = f"{SPLIT[i]}, {iters} steps"
+            torch.testing.assert_close(sigma[i].cpu().double(), expected[0][i], **tol, msg=msg)
+            torch.testing.assert_close(us[i].cpu().double(), expected[1][i], rtol=1e-4, atol=1e-4, msg=msg)
+            torch.testing.assert_close(vs[i].cpu().double(), expected[2][i], rtol=1e-4, atol=1e-4, msg=msg)
+            alone = power_iteration([w], [vectors[i]], iters=iters)  # batched = alone, bit for bit
+            assert torch.equal(alone[0][0], sigma[i]) and torch.equal(alone[1][0], us[i]), msg
+            assert torch.equal(alone[2][0], vs[i]), msg
+        assert sigma[-1] == 0 and torch.all(us[-1] == 0) and torch.all(vs[-1] == 0)
+    again = power_iteration(weights, vectors, iters=7)  # deterministic: a fixed summation order
+    assert all(torch.equal(a, b) for a, b in zip(again[1] + [again[0]], us + [sigma], strict=True))
+
+
+def test_power_iteration_split_path_launches(monkeypatch, restore_backend):
+    """A list of 2 small and 2 split matrices, 3 steps: 1 one-program launch, 2 per step, 1 finish."""
+    device, kernels = _triton_or_skip()
+    monkeypatch.setattr(kernels, "SPLIT_MIN_NUMEL", 1000)
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 3)
+    counts: dict[str, int] = {}
+
+    class Counting:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            counts[self.name] = counts.get(self.name, 0) + 1
+            return self.kernel[grid]
+
+    for name in ("_power_iteration_kernel", "_split_step_kernel", "_split_finish_kernel"):
+        monkeypatch.setattr(kernels, name, Counting(getattr(kernels, name), name))
+    weights = [_random(*shape, seed=i).to(device) for i, shape in enumerate([(50, 30), (20, 20), (30, 50), (9, 9)])]
+    sigma, _, _ = power_iteration(weights, iters=3)
+    assert counts == {"_power_iteration_kernel": 1, "_split_step_kernel": 6, "_split_finish_kernel": 1}, counts
+    expected = ref.power_iteration([w.double().cpu() for w in weights], None, 3)[0]
+    torch.testing.assert_close(sigma.cpu().double(), expected, rtol=2e-5, atol=1e-6)  # the list's order
+
+
+def test_split_regions_depend_on_the_shape_only():
+    from fastdp.kernels import spectral as kernels
+
+    for m, n in [(4096, 4096), (1024, 1024), (50000, 16), (16, 50000), (1, 1), (129, 129), (768, 3072)]:
+        rm, rn = kernels._regions(m, n)
+        assert rm % kernels.BLOCK_M == 0 and rn % kernels.BLOCK_N == 0
+        assert -(-m // rm) * -(-n // rn) <= kernels.TARGET_PROGRAMS
+        assert rm == kernels.BLOCK_M or -(-m // (rm // 2)) * -(-n // rn) > kernels.TARGET_PROGRAMS or rn > rm
+    assert kernels._regions(4096, 4096) == (256, 128)
+    assert kernels._regions(1024, 1024) == (32, 128)
 
 
 def test_warm_start_converges_faster_than_cold():

@@ -17,7 +17,8 @@ one device synchronisation per call; set ``fastdp.ops.spectral.CHECK_FINITE = Fa
 warm-start vector (what a zero matrix returns) means a cold start.
 
 Backends: ``fastdp._backend.select("spectral", device)``; ``triton`` runs
-``fastdp.kernels.spectral`` (one launch over all layers); ``cuda`` runs
+``fastdp.kernels.spectral`` (small matrices: one launch over all of them, a program each; larger ones:
+split over the whole GPU, two launches per step; at most 2 iters + 2 launches per call); ``cuda`` runs
 ``fastdp._C.power_iteration_cuda`` (csrc/cuda/spectral.cu, one launch over all layers) on
 CUDA tensors and the reference on CPU tensors (no csrc/cpu kernel); float64 always runs
 the reference.
