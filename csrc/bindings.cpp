@@ -30,6 +30,33 @@
 namespace fastdp {
 namespace {
 
+#ifdef FASTDP_WITH_CUDA
+// Host arrays copied to `device` in ONE pinned, stream-ordered copy (no host synchronisation; capturable in a CUDA
+// graph): parts[k] = (data, bytes) lands 16-byte aligned at the returned device pointer ptrs[k]. The returned tensor
+// owns the device memory (the caching allocators keep it and the pinned buffer until the stream has used them).
+at::Tensor device_tables(std::initializer_list<std::pair<const void*, size_t>> parts, const at::Device& device,
+                         std::vector<const uint8_t*>& ptrs) {
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (const auto& part : parts) {
+    offsets.push_back(total);
+    total += (part.second + 15) / 16 * 16;
+  }
+  at::Tensor host = at::empty({static_cast<int64_t>(std::max<size_t>(total, 16))},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  size_t k = 0;
+  for (const auto& part : parts) {
+    if (part.second > 0) std::memcpy(static_cast<uint8_t*>(host.data_ptr()) + offsets[k], part.first, part.second);
+    ++k;
+  }
+  at::Tensor dev = host.to(device, /*non_blocking=*/true);
+  ptrs.clear();
+  for (const size_t offset : offsets) ptrs.push_back(static_cast<const uint8_t*>(dev.data_ptr()) + offset);
+  return dev;
+}
+#endif
+
+
 ScalarKind scalar_kind(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return ScalarKind::kFloat32;
@@ -110,17 +137,12 @@ void launch_noise(const std::vector<at::Tensor>& grads, const std::vector<at::Te
 #ifdef FASTDP_WITH_CUDA
   TORCH_CHECK(device.is_cuda(), "fastdp noise: unsupported device ", device);
   const c10::cuda::CUDAGuard guard(device);
-  const size_t table_bytes = n * sizeof(NoiseTensor);
-  const size_t chunk_bytes = chunk_tensor.size() * sizeof(int32_t);
-  at::Tensor host = at::empty({static_cast<int64_t>(table_bytes + chunk_bytes)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), table.data(), table_bytes);
-  std::memcpy(static_cast<uint8_t*>(host.data_ptr()) + table_bytes, chunk_tensor.data(),
-              chunk_bytes);
-  at::Tensor dev = host.to(device, /*non_blocking=*/true);
-  const auto* d_table = reinterpret_cast<const NoiseTensor*>(dev.data_ptr());
-  const auto* d_chunks =
-      reinterpret_cast<const int32_t*>(static_cast<uint8_t*>(dev.data_ptr()) + table_bytes);
+  std::vector<const uint8_t*> ptrs;
+  const at::Tensor tables = device_tables(
+      {{table.data(), n * sizeof(NoiseTensor)}, {chunk_tensor.data(), chunk_tensor.size() * sizeof(int32_t)}}, device,
+      ptrs);
+  const auto* d_table = reinterpret_cast<const NoiseTensor*>(ptrs[0]);
+  const auto* d_chunks = reinterpret_cast<const int32_t*>(ptrs[1]);
   const cudaError_t err = launch_noise_cuda(d_table, d_chunks, num_chunks, kind, args,
                                             at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "fastdp noise: CUDA launch failed: ", cudaGetErrorString(err));
@@ -406,8 +428,9 @@ ScalarKind matrix_scalar_kind(const char* op, const at::Tensor& t, size_t index)
 }
 
 // `iters` power-iteration steps on every weights[l] [m_l, n_l] (CUDA, one device, contiguous,
-// fp32/fp16/bf16, mixed allowed) from vectors[l] [n_l] (fp32, contiguous, any scale), in one
-// launch (csrc/include/fastdp/spectral.h). Returns (sigma_hat fp32 [L], u list [n_l], v list [m_l]).
+// fp32/fp16/bf16, mixed allowed) from vectors[l] [n_l] (fp32, contiguous, any scale): one launch over the
+// matrices of at most kPowerSplitMinNumel elements, and 2 iters + 1 launches over the whole GPU for the larger
+// ones (csrc/include/fastdp/spectral.h). Returns (sigma_hat fp32 [L], u list [n_l], v list [m_l]).
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> power_iteration_cuda(
     const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& vectors, int64_t iters) {
   const size_t count = weights.size();
@@ -420,11 +443,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> power_i
   TORCH_CHECK(device.is_cuda(), "fastdp power_iteration_cuda: weights must be CUDA tensors, got ", device);
   const c10::cuda::CUDAGuard guard(device);
   const at::TensorOptions f32 = weights[0].options().dtype(at::kFloat);
-  std::vector<PowerIterMatrix> table(count);
+  std::vector<PowerIterMatrix> table;
+  std::vector<PowerIterSplitMatrix> split;
+  std::vector<PowerIterItem> items;
   std::vector<at::Tensor> us, vs;
   us.reserve(count);
   vs.reserve(count);
   at::Tensor sigma = at::empty({static_cast<int64_t>(count)}, f32);
+  int64_t part_size = 0, sq_size = 0, count_size = 0;
   for (size_t l = 0; l < count; ++l) {
     const at::Tensor& w = weights[l];
     const at::Tensor& u = vectors[l];
@@ -443,19 +469,57 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> power_i
                 "] must be contiguous with ", n, " elements (the columns of weights[", l, "]), got ", u.sizes());
     us.push_back(at::empty({n}, f32));
     vs.push_back(at::empty({m}, f32));
-    table[l] = PowerIterMatrix{w.data_ptr(), u.data_ptr<float>(), us.back().data_ptr<float>(),
-                               vs.back().data_ptr<float>(), sigma.data_ptr<float>() + l, m, n, kind};
+    float* sigma_l = sigma.data_ptr<float>() + l;
+    if (m * n <= kPowerSplitMinNumel) {
+      table.push_back(PowerIterMatrix{w.data_ptr(), u.data_ptr<float>(), us.back().data_ptr<float>(),
+                                      vs.back().data_ptr<float>(), sigma_l, m, n, kind});
+      continue;
+    }
+    const PowerRegions regions = power_regions(m, n);
+    const int64_t n_i = (m + regions.rows - 1) / regions.rows, n_j = (n + regions.cols - 1) / regions.cols;
+    const auto index = static_cast<int32_t>(split.size());
+    for (int64_t i = 0; i < n_i; ++i) {
+      for (int64_t j = 0; j < n_j; ++j) items.push_back({index, static_cast<int32_t>(i), static_cast<int32_t>(j)});
+    }
+    // Scratch pointers are offsets until the buffers exist (below).
+    split.push_back(PowerIterSplitMatrix{w.data_ptr(), u.data_ptr<float>(), us.back().data_ptr<float>(),
+                                         vs.back().data_ptr<float>(), sigma_l,
+                                         reinterpret_cast<float*>(part_size), reinterpret_cast<float*>(sq_size),
+                                         reinterpret_cast<int32_t*>(count_size), m, n, regions.rows, regions.cols,
+                                         n_i, n_j, kind});
+    part_size += std::max(n_j * m, n_i * n);
+    sq_size += n_i + n_j;
+    count_size += n_i + n_j;
   }
-  const size_t table_bytes = count * sizeof(PowerIterMatrix);
-  at::Tensor host = at::empty({static_cast<int64_t>(table_bytes)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), table.data(), table_bytes);
-  at::Tensor dev = host.to(device, /*non_blocking=*/true);  // stream-ordered before the launch
-  const cudaError_t err =
-      launch_power_iteration_cuda(reinterpret_cast<const PowerIterMatrix*>(dev.data_ptr()),
-                                  static_cast<int64_t>(count), static_cast<int32_t>(iters),
-                                  at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "fastdp power_iteration_cuda: CUDA launch failed: ", cudaGetErrorString(err));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  std::vector<const uint8_t*> ptrs;
+  if (!table.empty()) {
+    const at::Tensor tables = device_tables({{table.data(), table.size() * sizeof(PowerIterMatrix)}}, device, ptrs);
+    const cudaError_t err = launch_power_iteration_cuda(reinterpret_cast<const PowerIterMatrix*>(ptrs[0]),
+                                                        static_cast<int64_t>(table.size()),
+                                                        static_cast<int32_t>(iters), stream);
+    TORCH_CHECK(err == cudaSuccess, "fastdp power_iteration_cuda: CUDA launch failed: ", cudaGetErrorString(err));
+  }
+  if (!split.empty()) {
+    at::Tensor part = at::empty({part_size}, f32);
+    at::Tensor sq = at::empty({sq_size}, f32);
+    at::Tensor counts = at::zeros({count_size}, f32.dtype(at::kInt));
+    for (PowerIterSplitMatrix& d : split) {
+      d.part = part.data_ptr<float>() + reinterpret_cast<intptr_t>(d.part);
+      d.sq = sq.data_ptr<float>() + reinterpret_cast<intptr_t>(d.sq);
+      d.counts = counts.data_ptr<int32_t>() + reinterpret_cast<intptr_t>(d.counts);
+    }
+    TORCH_CHECK(items.size() <= 0x7fffffffULL, "fastdp power_iteration_cuda: ", items.size(),
+                " regions exceed the grid; split the list");
+    const at::Tensor tables = device_tables({{split.data(), split.size() * sizeof(PowerIterSplitMatrix)},
+                                             {items.data(), items.size() * sizeof(PowerIterItem)}},
+                                            device, ptrs);
+    const cudaError_t err = launch_power_iteration_split_cuda(
+        reinterpret_cast<const PowerIterSplitMatrix*>(ptrs[0]), static_cast<int64_t>(split.size()),
+        reinterpret_cast<const PowerIterItem*>(ptrs[1]), static_cast<int64_t>(items.size()),
+        static_cast<int32_t>(iters), stream);
+    TORCH_CHECK(err == cudaSuccess, "fastdp power_iteration_cuda: CUDA launch failed: ", cudaGetErrorString(err));
+  }
   return {sigma, us, vs};
 }
 
@@ -503,12 +567,9 @@ std::vector<at::Tensor> bjorck_cuda(const std::vector<at::Tensor>& weights, int6
     buf.narrow(0, offsets[l], m * n).view({m, n}).copy_(x);
     table[l] = BjorckMatrix{buf.data_ptr<float>() + offsets[l], gram.data_ptr<float>() + gram_offsets[l], m, n};
   }
-  const size_t table_bytes = count * sizeof(BjorckMatrix);
-  at::Tensor host = at::empty({static_cast<int64_t>(table_bytes)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), table.data(), table_bytes);
-  at::Tensor dev = host.to(device, /*non_blocking=*/true);  // stream-ordered before the launches
-  const cudaError_t err = launch_bjorck_cuda(reinterpret_cast<const BjorckMatrix*>(dev.data_ptr()),
+  std::vector<const uint8_t*> ptrs;
+  const at::Tensor tables = device_tables({{table.data(), count * sizeof(BjorckMatrix)}}, device, ptrs);
+  const cudaError_t err = launch_bjorck_cuda(reinterpret_cast<const BjorckMatrix*>(ptrs[0]),
                                              static_cast<int64_t>(count), max_row_tiles, max_col_tiles,
                                              static_cast<int32_t>(iters), static_cast<float>(beta),
                                              at::cuda::getCurrentCUDAStream());

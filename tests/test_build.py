@@ -37,6 +37,43 @@ def test_cuda_sources_compile_for_sm90(source, tmp_path):
     assert result.returncode == 0, f"nvcc failed on {source.name}:\n{result.stderr}"
 
 
+# Just enough of the CUDA libraries that torch's ATen/cuda headers name (their handle and status types), which the
+# toolkit here lacks: the compile check below needs declarations, not the libraries.
+CUDA_LIBRARY_STUBS = {
+    "cusparse.h": "typedef struct cusparseContext* cusparseHandle_t;\n"
+    "typedef enum { CUSPARSE_STATUS_SUCCESS = 0 } cusparseStatus_t;\n"
+    "inline const char* cusparseGetErrorString(cusparseStatus_t) { return \"\"; }",
+    "cublas_v2.h": "typedef struct cublasContext* cublasHandle_t;\n"
+    "typedef enum { CUBLAS_STATUS_SUCCESS = 0, CUBLAS_STATUS_NOT_SUPPORTED = 15 } cublasStatus_t;",
+    "cublasLt.h": "typedef struct cublasLtContext* cublasLtHandle_t;",
+    "cusolverDn.h": "typedef struct cusolverDnContext* cusolverDnHandle_t;",
+    "cusolver_common.h": "typedef enum { CUSOLVER_STATUS_SUCCESS = 0 } cusolverStatus_t;",
+    "c10/cuda/impl/cuda_cmake_macros.h": "",
+}
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (its runtime headers are needed)")
+def test_bindings_compile_with_cuda(tmp_path):
+    """bindings.cpp's CUDA half (FASTDP_WITH_CUDA) is never built here (the CPU torch wheel): compile it anyway
+    (syntax and types, against the wheel's ATen/cuda headers and the toolkit's runtime headers), so that a GPU
+    session does not start with a build error."""
+    import sysconfig
+
+    import torch.utils.cpp_extension as cpp
+
+    for name, text in CUDA_LIBRARY_STUBS.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"#pragma once\n{text}\n")
+    cuda_include = Path(cpp.CUDA_HOME or "/usr/local/cuda") / "include"
+    if not (cuda_include / "cuda_runtime_api.h").exists():
+        pytest.skip(f"no CUDA runtime headers in {cuda_include}")
+    includes = [f"-isystem{p}" for p in [*cpp.include_paths(), cuda_include, sysconfig.get_paths()["include"]]]
+    cmd = ["g++", "-std=c++20", "-fsyntax-only", "-DFASTDP_WITH_CUDA", f"-I{tmp_path}", *includes,
+           f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'include'}", "-Wall", "-Werror", str(ROOT / "csrc" / "bindings.cpp")]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, f"bindings.cpp with FASTDP_WITH_CUDA does not compile:\n{result.stderr[-4000:]}"
+
+
 def test_triton_kernels_compile_for_hopper():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

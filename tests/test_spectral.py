@@ -318,7 +318,9 @@ needs_cuda_kernels = pytest.mark.skipif(
     reason="needs a CUDA device and fastdp._C built with its CUDA kernels",
 )
 
-CUDA_SHAPES = [(1, 1), (1, 300), (300, 1), (33, 20), (5, 70), (129, 257), (1000, 3), (3, 1000), (64, 64)]
+# (129, 257) and the last three take the whole-GPU path (more than kPowerSplitMinNumel elements; several regions).
+CUDA_SHAPES = [(1, 1), (1, 300), (300, 1), (33, 20), (5, 70), (129, 257), (1000, 3), (3, 1000), (64, 64),
+               (700, 1500), (5000, 40), (40, 5000)]  # fmt: skip
 
 
 @pytest.mark.cuda
@@ -347,6 +349,23 @@ def test_power_iteration_cuda_kernel_matches_reference(dtype, restore_backend):
             if given is not None:  # the start vectors are read, never written
                 for u, u0 in zip(given, vectors, strict=True):
                     assert torch.equal(u.cpu(), u0)
+
+
+@pytest.mark.cuda
+@needs_cuda_kernels
+def test_power_iteration_cuda_split_path_is_deterministic_and_batch_independent(restore_backend):
+    """The whole-GPU path sums its partials in a fixed order: the same bits run to run and alone or in a list."""
+    fastdp.set_backend("cuda")
+    weights = [_random(m, n, seed=i).cuda() for i, (m, n) in enumerate([(700, 1500), (33, 20), (2000, 2000)])]
+    weights.append(torch.zeros(300, 200, device="cuda"))
+    first = power_iteration(weights, iters=4)
+    for _ in range(3):
+        again = power_iteration(weights, iters=4)
+        assert torch.equal(again[0], first[0]) and all(torch.equal(a, b) for a, b in zip(again[1], first[1]))
+    for i, w in enumerate(weights):
+        alone = power_iteration([w], iters=4)
+        assert torch.equal(alone[0][0], first[0][i]) and torch.equal(alone[2][0], first[2][i]), i
+    assert first[0][3] == 0 and torch.all(first[1][3] == 0) and torch.all(first[2][3] == 0)
 
 
 @pytest.mark.cuda

@@ -1,7 +1,10 @@
-// CUDA kernel of the batched power iteration (math: csrc/include/fastdp/spectral.h,
-// fastdp/ref/spectral.py). One launch over a list of matrices of any shapes and element
-// types: block l runs every step of matrix l (descriptor mats[l]), so no grid-wide
-// barrier and no host synchronisation are needed.
+// CUDA kernels of the batched power iteration (math: csrc/include/fastdp/spectral.h,
+// fastdp/ref/spectral.py). Two paths, no host synchronisation in either:
+// * power_iteration_kernel: ONE launch over the small matrices of a list (any shapes and
+//   element types): block l runs every step of matrix l (descriptor mats[l]);
+// * power_split_kernel + power_split_finish_kernel: matrices above kPowerSplitMinNumel
+//   elements over the whole GPU, one block per region, two launches per step and one to
+//   finish (the serial split-K reduction described in fastdp/spectral.h; below).
 //
 // Per step, with the norms carried as scale factors (applied on the next read, as the
 // Triton kernel does: W is read twice per step, u and v written once):
@@ -130,6 +133,156 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ------------------------------------------------------------------ whole-GPU path (fastdp/spectral.h)
+
+// sum(ptr[0:count]) in a fixed order, the same in every block: strided per-thread partials, then block_sum.
+__device__ __forceinline__ float sum_blocks(const float* ptr, int64_t count, float* scratch) {
+  float x = 0.0f;
+  for (int64_t k = threadIdx.x; k < count; k += kThreads) x += __ldcg(ptr + k);
+  return block_sum(x, scratch);
+}
+
+// Whether this block is the last of `expected` blocks to arrive at `counter` (block-uniform). The barrier, then
+// thread 0's GPU-scope fence and atomic, publish every thread's earlier global writes (the release); the last
+// block's thread 0 fences again after the atomic (the acquire) and the barrier passes that on to its threads, which
+// then read the partials with __ldcg (L2, not a stale L1 line).
+__device__ __forceinline__ bool arrive_last(int32_t* counter, int64_t expected, int* flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int32_t before = atomicAdd(counter, 1);
+    __threadfence();
+    *flag = before == expected - 1;
+  }
+  __syncthreads();
+  return *flag != 0;
+}
+
+// part[j, rows of region i] = s_u W[region] u[columns of region j]; the last block of row region i sums the
+// n_j partials into v[rows] and writes the block's sum of squares. First step: u = u_in, normalised here.
+template <typename T>
+__device__ void split_rows_block(const PowerIterSplitMatrix& d, int64_t i, int64_t j, bool first, float* scratch,
+                                 int* flag) {
+  const T* __restrict__ w = static_cast<const T*>(d.w);
+  const int64_t m = d.m, n = d.n;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t r_lo = i * d.rows, r_hi = min(r_lo + d.rows, m);
+  const int64_t c_lo = j * d.cols, c_hi = min(c_lo + d.cols, n);
+  const float* u = first ? d.u_in : d.u;
+  float sum_sq = 0.0f;
+  if (first) {
+    for (int64_t c = threadIdx.x; c < n; c += kThreads) sum_sq = fmaf(u[c], u[c], sum_sq);
+    sum_sq = block_sum(sum_sq, scratch);
+  } else {
+    sum_sq = sum_blocks(d.sq, d.n_j, scratch);
+  }
+  const float scale = 1.0f / fmaxf(sqrtf(sum_sq), kPowerEps);
+  for (int64_t r = r_lo + warp; r < r_hi; r += kWarps) {
+    const T* row = w + r * n;
+    float acc = 0.0f;
+    for (int64_t c = c_lo + lane; c < c_hi; c += 32) acc = fmaf(to_float(row[c]), u[c], acc);
+    acc = warp_sum(acc);
+    if (lane == 0) d.part[j * m + r] = acc * scale;
+  }
+  if (!arrive_last(d.counts + i, d.n_j, flag)) return;
+  sum_sq = 0.0f;
+  for (int64_t r = r_lo + threadIdx.x; r < r_hi; r += kThreads) {
+    float acc = 0.0f;
+    for (int64_t jj = 0; jj < d.n_j; ++jj) acc += __ldcg(d.part + jj * m + r);
+    d.v[r] = acc;
+    sum_sq = fmaf(acc, acc, sum_sq);
+  }
+  sum_sq = block_sum(sum_sq, scratch);
+  if (threadIdx.x == 0) {
+    d.sq[d.n_j + i] = sum_sq;
+    d.counts[i] = 0;  // every block of the region has arrived: ready for the next launch
+  }
+}
+
+// part[i, columns of region j] = s_v W[region]^T v[rows of region i]; the last block of column region j sums the
+// n_i partials into u[columns] and writes the block's sum of squares.
+template <typename T>
+__device__ void split_cols_block(const PowerIterSplitMatrix& d, int64_t i, int64_t j, float* scratch,
+                                 float* col_part, int* flag) {
+  const T* __restrict__ w = static_cast<const T*>(d.w);
+  const int64_t n = d.n;
+  const int64_t r_lo = i * d.rows, r_hi = min(r_lo + d.rows, d.m);
+  const int64_t c_lo = j * d.cols, c_hi = min(c_lo + d.cols, n);
+  const float scale = 1.0f / fmaxf(sqrtf(sum_blocks(d.sq + d.n_j, d.n_i, scratch)), kPowerEps);
+  const int tc = column_tile(c_hi - c_lo);
+  const int groups = kThreads / tc;
+  const int col = threadIdx.x % tc, group = threadIdx.x / tc;
+  for (int64_t c0 = c_lo; c0 < c_hi; c0 += tc) {
+    const int64_t c = c0 + col;
+    float acc = 0.0f;
+    if (c < c_hi) {
+      for (int64_t r = r_lo + group; r < r_hi; r += groups) acc = fmaf(to_float(w[r * n + c]), d.v[r], acc);
+    }
+    col_part[threadIdx.x] = acc;
+    __syncthreads();
+    if (group == 0 && c < c_hi) {
+      float total = 0.0f;
+      for (int g = 0; g < groups; ++g) total += col_part[g * tc + col];
+      d.part[i * n + c] = total * scale;
+    }
+    __syncthreads();  // col_part free for the next tile
+  }
+  if (!arrive_last(d.counts + d.n_i + j, d.n_i, flag)) return;
+  float sum_sq = 0.0f;
+  for (int64_t c = c_lo + threadIdx.x; c < c_hi; c += kThreads) {
+    float acc = 0.0f;
+    for (int64_t ii = 0; ii < d.n_i; ++ii) acc += __ldcg(d.part + ii * n + c);
+    d.u[c] = acc;
+    sum_sq = fmaf(acc, acc, sum_sq);
+  }
+  sum_sq = block_sum(sum_sq, scratch);
+  if (threadIdx.x == 0) {
+    d.sq[j] = sum_sq;
+    d.counts[d.n_i + j] = 0;
+  }
+}
+
+template <typename T>
+__device__ void split_block(const PowerIterSplitMatrix& d, const PowerIterItem& item, bool first, bool transposed,
+                            float* scratch, float* col_part, int* flag) {
+  if (transposed) {
+    split_cols_block<T>(d, item.i, item.j, scratch, col_part, flag);
+  } else {
+    split_rows_block<T>(d, item.i, item.j, first, scratch, flag);
+  }
+}
+
+// Block b: region items[b] of its matrix, v = W u (transposed = 0) or u = W^T v (transposed = 1).
+__global__ void __launch_bounds__(kThreads)
+    power_split_kernel(const PowerIterSplitMatrix* __restrict__ mats, const PowerIterItem* __restrict__ items,
+                       int32_t first, int32_t transposed) {
+  __shared__ float scratch[kWarps];
+  __shared__ float col_part[kThreads];
+  __shared__ int flag;
+  const PowerIterItem item = items[blockIdx.x];
+  const PowerIterSplitMatrix d = mats[item.matrix];
+  switch (d.kind) {  // block-uniform
+    case ScalarKind::kFloat32: split_block<float>(d, item, first, transposed, scratch, col_part, &flag); break;
+    case ScalarKind::kFloat16: split_block<__half>(d, item, first, transposed, scratch, col_part, &flag); break;
+    case ScalarKind::kBFloat16:
+      split_block<__nv_bfloat16>(d, item, first, transposed, scratch, col_part, &flag);
+      break;
+    default: break;  // rejected by the binding
+  }
+}
+
+// Block l: sigma_l = ||u_l||, and u_l, v_l scaled to unit vectors.
+__global__ void __launch_bounds__(kThreads) power_split_finish_kernel(const PowerIterSplitMatrix* __restrict__ mats) {
+  __shared__ float scratch[kWarps];
+  const PowerIterSplitMatrix d = mats[blockIdx.x];
+  const float sigma = sqrtf(sum_blocks(d.sq, d.n_j, scratch));
+  const float scale_u = 1.0f / fmaxf(sigma, kPowerEps);
+  const float scale_v = 1.0f / fmaxf(sqrtf(sum_blocks(d.sq + d.n_j, d.n_i, scratch)), kPowerEps);
+  for (int64_t r = threadIdx.x; r < d.m; r += kThreads) d.v[r] *= scale_v;
+  for (int64_t c = threadIdx.x; c < d.n; c += kThreads) d.u[c] *= scale_u;
+  if (threadIdx.x == 0) *d.sigma = sigma;
+}
+
 }  // namespace
 
 cudaError_t launch_power_iteration_cuda(const PowerIterMatrix* mats, int64_t num_mats, int32_t iters,
@@ -137,6 +290,25 @@ cudaError_t launch_power_iteration_cuda(const PowerIterMatrix* mats, int64_t num
   if (num_mats == 0) return cudaSuccess;
   if (num_mats < 0 || num_mats > 0x7fffffffLL || iters < 1) return cudaErrorInvalidValue;
   power_iteration_kernel<<<static_cast<unsigned int>(num_mats), kThreads, 0, stream>>>(mats, iters);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_power_iteration_split_cuda(const PowerIterSplitMatrix* mats, int64_t num_mats,
+                                              const PowerIterItem* items, int64_t num_items, int32_t iters,
+                                              cudaStream_t stream) {
+  if (num_mats == 0) return cudaSuccess;
+  if (num_mats < 0 || num_mats > 0x7fffffffLL || num_items < num_mats || num_items > 0x7fffffffLL || iters < 1) {
+    return cudaErrorInvalidValue;
+  }
+  for (int32_t step = 0; step < iters; ++step) {
+    for (int32_t transposed = 0; transposed < 2; ++transposed) {
+      power_split_kernel<<<static_cast<unsigned int>(num_items), kThreads, 0, stream>>>(mats, items, step == 0,
+                                                                                        transposed);
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+  }
+  power_split_finish_kernel<<<static_cast<unsigned int>(num_mats), kThreads, 0, stream>>>(mats);
   return cudaGetLastError();
 }
 

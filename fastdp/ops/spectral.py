@@ -19,7 +19,7 @@ warm-start vector (what a zero matrix returns) means a cold start.
 Backends: ``fastdp._backend.select("spectral", device)``; ``triton`` runs
 ``fastdp.kernels.spectral`` (small matrices: one launch over all of them, a program each; larger ones:
 split over the whole GPU, two launches per step; at most 2 iters + 2 launches per call); ``cuda`` runs
-``fastdp._C.power_iteration_cuda`` (csrc/cuda/spectral.cu, one launch over all layers) on
+``fastdp._C.power_iteration_cuda`` (csrc/cuda/spectral.cu, the same two paths) on
 CUDA tensors and the reference on CPU tensors (no csrc/cpu kernel); float64 always runs
 the reference.
 ``certified_spectral_norm(s)`` and ``conv_operator_norm`` are torch only.
