@@ -42,7 +42,7 @@ def test_cuda_sources_compile_for_sm90(source, tmp_path):
 CUDA_LIBRARY_STUBS = {
     "cusparse.h": "typedef struct cusparseContext* cusparseHandle_t;\n"
     "typedef enum { CUSPARSE_STATUS_SUCCESS = 0 } cusparseStatus_t;\n"
-    "inline const char* cusparseGetErrorString(cusparseStatus_t) { return \"\"; }",
+    'inline const char* cusparseGetErrorString(cusparseStatus_t) { return ""; }',
     "cublas_v2.h": "typedef struct cublasContext* cublasHandle_t;\n"
     "typedef enum { CUBLAS_STATUS_SUCCESS = 0, CUBLAS_STATUS_NOT_SUPPORTED = 15 } cublasStatus_t;",
     "cublasLt.h": "typedef struct cublasLtContext* cublasLtHandle_t;",
@@ -69,7 +69,8 @@ def test_bindings_compile_with_cuda(tmp_path):
         pytest.skip(f"no CUDA runtime headers in {cuda_include}")
     includes = [f"-isystem{p}" for p in [*cpp.include_paths(), cuda_include, sysconfig.get_paths()["include"]]]
     cmd = ["g++", "-std=c++20", "-fsyntax-only", "-DFASTDP_WITH_CUDA", f"-I{tmp_path}", *includes,
-           f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'include'}", "-Wall", "-Werror", str(ROOT / "csrc" / "bindings.cpp")]  # fmt: skip
+           f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'csrc' / 'include'}", "-Wall", "-Werror",
+           str(ROOT / "csrc" / "bindings.cpp")]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, f"bindings.cpp with FASTDP_WITH_CUDA does not compile:\n{result.stderr[-4000:]}"
 

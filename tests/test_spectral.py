@@ -361,7 +361,8 @@ def test_power_iteration_cuda_split_path_is_deterministic_and_batch_independent(
     first = power_iteration(weights, iters=4)
     for _ in range(3):
         again = power_iteration(weights, iters=4)
-        assert torch.equal(again[0], first[0]) and all(torch.equal(a, b) for a, b in zip(again[1], first[1]))
+        assert torch.equal(again[0], first[0])
+        assert all(torch.equal(a, b) for a, b in zip(again[1], first[1], strict=True))
     for i, w in enumerate(weights):
         alone = power_iteration([w], iters=4)
         assert torch.equal(alone[0][0], first[0][i]) and torch.equal(alone[2][0], first[2][i]), i
