@@ -13,8 +13,9 @@ Reports the median time (p20, p80) and the achieved bandwidth against the bytes 
     clip_rows_backward:  read g and x once + write dx once = 3 * numel * itemsize
 
 as a share of the copy bandwidth measured on the same tensor (``x.clone()``: the same bytes floor as clip_rows,
-the same allocation of a fresh output, the same caches; 100% = as fast as a copy), and the speedup over the
-reference. The device's copy bandwidth on a large buffer is printed too. Results are appended to
+the same allocation of a fresh output, the same caches; 100% = as fast as a copy), on a GPU the share of the H100
+floor (those bytes / 3.0 TB/s, ``kernels/clip.py``), and the speedup over the reference. The device's copy
+bandwidth on a large buffer is printed too. Results are appended to
 bench/results/<device>-clip.csv (long format).
 
     python bench/bench_clip.py                      # all providers that run here
@@ -121,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     print(
                         f"{op:19s} {row['shape']:34s} {dtype_name:9s} {provider:14s} {med:9.3f} ms ({p20:.3f}, "
-                        f"{p80:.3f})  {gbps:7.1f} GB/s  {row['pct_copy']:>5s}% copy  x{row['speedup_vs_ref']} vs ref",
+                        f"{p80:.3f})  {gbps:7.1f} GB/s  {row['pct_copy']:>5s}% copy"
+                        f"{harness.floor_share(device, bytes_floor / harness.H100_BYTES_PER_S, med)}"
+                        f"  x{row['speedup_vs_ref']} vs ref",
                         flush=True,
                     )
     fastdp.set_backend(previous)

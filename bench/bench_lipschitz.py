@@ -13,7 +13,9 @@ Providers:
 * ``fastdp-triton`` — the Triton kernels (GPU only: the interpreter is a test vehicle);
 * ``fastdp-cuda`` — the csrc/cuda kernels (GPU with fastdp._C built with CUDA).
 
-Reports the median time (p20, p80) in ms and the speedup over the baseline. Results are
+Reports the median time (p20, p80) in ms, the speedup over the baseline and, on a GPU, the share of the H100
+floor (Björck: 3 n^3 FLOP a step, half the Gram and the update, at the 3xTF32 tensor-core rate; power iteration:
+W read twice a step from HBM). Results are
 appended to bench/results/<device>-lipschitz.csv unless ``--out`` is given.
 
     python bench/bench_lipschitz.py
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                         else functools.partial(bjorck_orthonormalize, weights, BJORCK_ITERS)  # one call, whole list
                     )
                     flops = layers * BJORCK_ITERS * 4 * n**3
+                    floor_s = layers * BJORCK_ITERS * 3 * n**3 / harness.H100_TF32X3_FLOPS  # half the Gram, 3xTF32
                 else:
                     fn = (
                         functools.partial(torch_loop_power_iteration, weights, vectors)
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                         else functools.partial(power_iteration, weights, vectors, POWER_ITERS)
                     )
                     flops = layers * POWER_ITERS * 4 * n**2
+                    floor_s = layers * POWER_ITERS * 2 * n**2 * 4 / harness.H100_BYTES_PER_S  # W read twice a step
                 med, p20, p80 = measure(fn)
                 base_ms = med if backend is None else base_ms
                 row = dict(
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(
                     f"{op:16s} {label:12s} {provider:14s} {med:10.3f} ms ({p20:.3f}, {p80:.3f})  "
-                    f"{row['gflops']:>8s} GFLOP/s  x{row['speedup_vs_torch_loop']} vs torch-loop",
+                    f"{row['gflops']:>8s} GFLOP/s{harness.floor_share(device, floor_s, med)}  "
+                    f"x{row['speedup_vs_torch_loop']} vs torch-loop",
                     flush=True,
                 )
     fastdp.set_backend(previous)

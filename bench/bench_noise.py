@@ -33,7 +33,6 @@ from fastdp.engine.fused import TorchOptimizerStep
 from fastdp.ops import add_noise_, noisy_sgd_step_, release_
 
 LR, SCALE, STD = 0.1, 256.0, 1.0
-H100_BYTES_PER_S = 3.0e12  # HBM3 sustained (docstrings of kernels/*.py)
 RELEASES = {  # op -> (torch optimizer, bytes per float32 parameter of the fused pass)
     "release+sgd-momentum": (lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9), 24),
     "release+adam": (lambda params: torch.optim.Adam(params, lr=1e-3), 32),
@@ -210,7 +209,6 @@ def release_rows(model: str, shapes, device: torch.device, measure, copy_gbps: f
                 med, p20, p80 = measure(fn)
                 base_ms = med if provider == "unfused" else base_ms
                 gbps = numel * bytes_per_element / (med * 1e-3) / 1e9
-                floor = f"{100 * numel * bytes_per_element / H100_BYTES_PER_S / (med * 1e-3):.1f}"
                 row = dict(
                     op=op, provider=f"fastdp-{backend if device.type == 'cuda' else 'cpu'}-{provider}",
                     shape=f"{model}:{len(shapes)}x{numel}", dtype="float32", median_ms=f"{med:.4f}",
@@ -219,7 +217,7 @@ def release_rows(model: str, shapes, device: torch.device, measure, copy_gbps: f
                     peak_mem_mb="nan", **info,
                 )  # fmt: skip
                 rows.append(row)
-                share = f"  {floor:>5s}% of the H100 floor" if device.type == "cuda" else ""
+                share = harness.floor_share(device, numel * bytes_per_element / harness.H100_BYTES_PER_S, med)
                 print(
                     f"{model:16s} float32   {op:21s} {row['provider']:22s} {med:10.3f} ms ({p20:.3f}, {p80:.3f})  "
                     f"{gbps:7.1f} GB/s  {row['pct_copy_bw']:>5s}% copy{share}  x{row['speedup_vs_eager']} vs unfused",

@@ -10,7 +10,8 @@ time (p20, p80), achieved GFLOP/s with the ghost-norm count
 
 (the kernels use symmetry and do about half of it: the figure is the rate of the naive
 algorithm they replace), the share of the device's measured matmul rate in that dtype,
-and the speedup over the reference. Results are appended to
+on a GPU the share of the H100 floor of ``kernels/norms.py`` (half the products at the dtype's
+rate, or reading A and G, whichever is longer), and the speedup over the reference. Results are appended to
 bench/results/<device>-norms.csv (long format).
 
     python bench/bench_norms.py                       # all providers that run here
@@ -83,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             a = torch.randn(batch, seq, dim_a, generator=gen).to(device=device, dtype=dtype)
             g = torch.randn(batch, seq, dim_g, generator=gen).to(device=device, dtype=dtype)
             flops = 2 * batch * seq * seq * (dim_a + dim_g) + 2 * batch * seq * seq
+            # H100 floor (kernels/norms.py): half the products (symmetric tiles) at the dtype's rate, or reading
+            rate = harness.H100_FP32_FLOPS if dtype == torch.float32 else harness.H100_BF16_FLOPS
+            read_s = batch * seq * (dim_a + dim_g) * a.element_size() / harness.H100_BYTES_PER_S
+            floor_s = max(batch * seq * seq * (dim_a + dim_g) / rate, read_s)
             ref_ms = None
             for provider, backend in providers(device).items():
                 if device.type == "cuda":
@@ -100,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(
                     f"{row['shape']:22s} {dtype_name:9s} {provider:14s} {med:10.3f} ms ({p20:.3f}, {p80:.3f})  "
-                    f"{gflops:8.1f} GFLOP/s  {row['pct_matmul']:>5s}% matmul  x{row['speedup_vs_ref']} vs ref",
+                    f"{gflops:8.1f} GFLOP/s  {row['pct_matmul']:>5s}% matmul{harness.floor_share(device, floor_s, med)}"
+                    f"  x{row['speedup_vs_ref']} vs ref",
                     flush=True,
                 )
     fastdp.set_backend(previous)

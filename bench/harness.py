@@ -139,6 +139,20 @@ def variant_step(variant, model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
     return step
 
 
+# The H100 SXM floors the kernels' docstrings (kernels/*.py) are written against.
+H100_BYTES_PER_S = 3.0e12  # HBM3 sustained (3.35 peak)
+H100_TF32X3_FLOPS = 165e12  # dense TF32 tensor cores (495 TFLOP/s) over the three products of 3xTF32
+H100_FP32_FLOPS = 67e12  # CUDA cores, no tensor cores
+H100_BF16_FLOPS = 989e12  # dense bf16/fp16 tensor cores
+
+
+def floor_share(device: torch.device, seconds_at_floor: float, median_ms: float) -> str:
+    """The share of the H100 floor a run reached, for the printed line: '' off CUDA (no floor to compare with)."""
+    if device.type != "cuda":
+        return ""
+    return f"  {100 * seconds_at_floor / (median_ms * 1e-3):5.1f}% of the H100 floor"
+
+
 def run_info(device: torch.device) -> dict:
     """Columns every result row carries: device, threads, versions, date. Also printed as the run's header."""
     try:
