@@ -1,16 +1,26 @@
 // CUDA kernels of the per-example gradient norms (math and tiling: csrc/include/fastdp/norms.h).
 //
 // Ghost norm: block w handles work item w (example w / items, t-blocks k and n-1-k).
-// For each 64 x 64 Gram tile, chunks of kChunk columns of the t rows and the s rows are
-// staged (as fp32, zero-padded) in shared memory; each of the 16 x 16 threads keeps a
-// 4 x 4 sub-tile of both Gram tiles in registers (rows ty + 16 i, columns tx + 16 j: no
-// bank conflicts) and adds their elementwise product. A fixed-order block reduction
-// writes the item's partial; a second kernel adds an example's partials in item order.
-// fp32 SIMT math, int64 indexing; deterministic (no atomics).
+// For each 64 x 64 Gram tile, chunks of the t rows' and the s rows' columns are staged
+// (zero-padded) in shared memory, both Gram tiles are accumulated, and their elementwise
+// product is added up. A fixed-order block reduction writes the item's partial; a second
+// kernel adds an example's partials in item order. int64 indexing; deterministic (no atomics).
+// * float32 (ghost_tiles_kernel): fp32 SIMT; chunks of kChunk columns staged as fp32, each
+//   of the 16 x 16 threads keeps a 4 x 4 sub-tile of both Gram tiles in registers (rows
+//   ty + 16 i, columns tx + 16 j: no bank conflicts).
+// * float16 / bfloat16 (ghost_tiles_tc_kernel): tensor cores (WMMA 16 x 16 x 16, HMMA on
+//   sm_80+), fp32 accumulation; chunks of kTcChunk columns staged in the input's type; the
+//   64 x 64 tile is 4 x 4 fragments, warp w of 8 holds fragments (w / 2, 2 (w % 2) + q),
+//   q = 0, 1, of both Gram tiles (same fragment type: the same element layout, so the
+//   elementwise product is per register). 16-bit products are exact in fp32, so tensor
+//   cores change only the order of the fp32 sums.
 #include "cuda/norms.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>
+
+#include <type_traits>
 
 namespace fastdp {
 namespace {
@@ -20,10 +30,13 @@ constexpr int kThreads = kSide * kSide;  // 256
 constexpr int kSub = 4;                  // sub-tile side per thread: kSide * kSub = kGhostTile
 constexpr int kChunk = 16;               // columns staged per step
 static_assert(kSide * kSub == kGhostTile, "threads must cover a Gram tile");
+constexpr int kTcChunk = 32;          // columns staged per step on the tensor-core path (two k-steps of 16)
+constexpr int kTcLd = kTcChunk + 8;   // padded row: a multiple of 8 elements (WMMA), rows 80 B apart
+constexpr int kFrag = 16;             // WMMA fragment side
+static_assert(kGhostTile == 4 * kFrag && kThreads == 8 * 32, "8 warps cover 4 x 4 fragments, two each");
+using Accumulator = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, kFrag, kFrag, kFrag, float>;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // acc[i][j] = x[t0 + ty + 16 i] . x[s0 + tx + 16 j] (rows >= seq read as 0); x is [seq, k_dim].
 template <typename T>
@@ -62,6 +75,61 @@ __device__ __forceinline__ void gram_sub_tile(const T* __restrict__ x, int64_t t
   }
 }
 
+__device__ __forceinline__ __half zero_of(__half) { return __float2half(0.0f); }
+__device__ __forceinline__ __nv_bfloat16 zero_of(__nv_bfloat16) { return __float2bfloat16(0.0f); }
+
+// acc[q] = this warp's fragments (w / 2, 2 (w % 2) + q) of the Gram tile x[t0:t0+64] x[s0:s0+64]^T (rows >= seq
+// read as 0), on tensor cores; x is [seq, k_dim] in a 16-bit type.
+template <typename T>
+__device__ __forceinline__ void gram_fragments(const T* __restrict__ x, int64_t t0, int64_t s0, int64_t seq,
+                                               int64_t k_dim, T (*sh_t)[kTcLd], T (*sh_s)[kTcLd],
+                                               Accumulator (&acc)[2]) {
+  namespace wmma = nvcuda::wmma;
+  const int warp = threadIdx.x / 32;
+  const int frag_row = warp / 2, frag_col = 2 * (warp % 2);
+  const T zero = zero_of(T{});
+  wmma::fill_fragment(acc[0], 0.0f);
+  wmma::fill_fragment(acc[1], 0.0f);
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kTcChunk) {
+    for (int e = threadIdx.x; e < kGhostTile * kTcChunk; e += kThreads) {
+      const int r = e / kTcChunk, c = e % kTcChunk;  // consecutive threads: consecutive columns of a row
+      const int64_t k = k0 + c;
+      const int64_t rt = t0 + r, rs = s0 + r;
+      sh_t[r][c] = (rt < seq && k < k_dim) ? x[rt * k_dim + k] : zero;
+      sh_s[r][c] = (rs < seq && k < k_dim) ? x[rs * k_dim + k] : zero;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kTcChunk; kk += kFrag) {
+      // A = rows of t (row-major [16, 16] at sh_t[16 r][kk]); B(k, n) = x[s row n][k]: column-major at sh_s.
+      wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, T, wmma::row_major> fa;
+      wmma::load_matrix_sync(fa, &sh_t[kFrag * frag_row][kk], kTcLd);
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fb, &sh_s[kFrag * (frag_col + q)][kk], kTcLd);
+        wmma::mma_sync(acc[q], fa, fb, acc[q]);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// partial[w] = the block's sum of `local`, in a fixed order: warps by shuffles, then warp 0 over the warp sums.
+__device__ __forceinline__ void write_block_sum(float local, float* warp_sums, float* __restrict__ partial,
+                                                int64_t w) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) local += __shfl_down_sync(0xffffffffu, local, offset);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = local;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.0f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+    if (threadIdx.x == 0) partial[w] = v;
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     ghost_tiles_kernel(const T* __restrict__ a, const T* __restrict__ g, GhostNormShape shape, int64_t items,
@@ -91,17 +159,40 @@ __global__ void __launch_bounds__(kThreads)
       local += (s0 == t0 ? 1.0f : 2.0f) * tile;  // off-diagonal tiles: (t, s) and (s, t)
     }
   }
-  // Fixed-order block reduction: warps by shuffles, then warp 0 over the warp sums.
+  write_block_sum(local, warp_sums, partial, w);
+}
+
+// The same work items as ghost_tiles_kernel, for 16-bit inputs on tensor cores.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    ghost_tiles_tc_kernel(const T* __restrict__ a, const T* __restrict__ g, GhostNormShape shape, int64_t items,
+                          int64_t num_t_blocks, float* __restrict__ partial) {
+  __shared__ __align__(32) T sh_t[kGhostTile][kTcLd];
+  __shared__ __align__(32) T sh_s[kGhostTile][kTcLd];
+  __shared__ float warp_sums[kThreads / 32];
+  const int64_t w = blockIdx.x;
+  const int64_t b = w / items, item = w % items;
+  const int64_t seq = shape.seq;
+  const T* ab = a + b * seq * shape.dim_a;
+  const T* gb = g + b * seq * shape.dim_g;
+  const int64_t last = num_t_blocks - 1 - item;
+  float local = 0.0f;
+  for (int pass = 0; pass < (last == item ? 1 : 2); ++pass) {
+    const int64_t t0 = (pass == 0 ? item : last) * kGhostTile;
+    for (int64_t s0 = t0; s0 < seq; s0 += kGhostTile) {
+      Accumulator ga[2], gg[2];
+      gram_fragments(ab, t0, s0, seq, shape.dim_a, sh_t, sh_s, ga);
+      gram_fragments(gb, t0, s0, seq, shape.dim_g, sh_t, sh_s, gg);
+      float tile = 0.0f;
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) local += __shfl_down_sync(0xffffffffu, local, offset);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = local;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.0f;
+      for (int q = 0; q < 2; ++q) {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
-    if (threadIdx.x == 0) partial[w] = v;
+        for (int i = 0; i < ga[q].num_elements; ++i) tile = fmaf(ga[q].x[i], gg[q].x[i], tile);
+      }
+      local += (s0 == t0 ? 1.0f : 2.0f) * tile;  // off-diagonal tiles: (t, s) and (s, t)
+    }
   }
+  write_block_sum(local, warp_sums, partial, w);
 }
 
 // out[b] = sum of example b's item partials, in item order.
@@ -132,8 +223,13 @@ cudaError_t launch_ghost_typed(const void* a, const void* g, GhostNormShape shap
   const int64_t items = ghost_items_per_example(shape.seq);
   const int64_t blocks = shape.batch * items;
   if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-  ghost_tiles_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
-      static_cast<const T*>(a), static_cast<const T*>(g), shape, items, ghost_num_t_blocks(shape.seq), partial);
+  if constexpr (std::is_same_v<T, float>) {
+    ghost_tiles_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
+        static_cast<const T*>(a), static_cast<const T*>(g), shape, items, ghost_num_t_blocks(shape.seq), partial);
+  } else {
+    ghost_tiles_tc_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
+        static_cast<const T*>(a), static_cast<const T*>(g), shape, items, ghost_num_t_blocks(shape.seq), partial);
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t sum_blocks = (shape.batch + kThreads - 1) / kThreads;
