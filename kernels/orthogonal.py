@@ -11,8 +11,9 @@ about fp32 accuracy (relative error of a product ~2^-21 against fp32's 2^-24) at
 argument: Björck is a projection, not a bound. Nothing privacy-relevant trusts its output to be orthonormal: the
 clipless variant certifies each layer's Lipschitz constant on the weights it actually has (``fastdp.nn.lipschitz``,
 float64), and a product error of 2^-21 moves the iteration's fixed point by the same order, far below the 1e-3
-margin of the spectral scaling before it. The CUDA backend (csrc/cuda/orthogonal.cu) is SIMT fp32: the two
-backends agree to ~1e-5, not bitwise. The interpreter multiplies in plain fp32.
+margin of the spectral scaling before it. The CUDA backend (csrc/cuda/orthogonal.cu) also multiplies in 3xTF32
+(WMMA), with other tiles and summation orders: the two backends agree to ~1e-5, not bitwise. The interpreter
+multiplies in plain fp32.
 
 Batched over the whole list with no pointer tables (so the same path runs under ``TRITON_INTERPRET=1``), as
 ``fastdp/kernels/spectral.py``: the host packs every matrix in fp32 into one flat buffer ``buf[2, total]``

@@ -2,7 +2,7 @@
 //
 // Math (fastdp/ref/orthogonal.py, bjorck_orthonormalize) for each X_l [m_l, n_l], m_l >= n_l (the binding
 // transposes a wide matrix, whose [m, m] Gram is then the smaller one, as the ref and the Triton path do),
-// fp32 throughout, `iters` steps of
+// fp32 data and fp32 accumulation, products in 3xTF32 on tensor cores (csrc/cuda/orthogonal.cu), `iters` steps of
 //     G = X^T X                                  [n, n]
 //     X <- (1 + beta) X - beta X G
 #pragma once
