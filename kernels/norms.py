@@ -10,6 +10,15 @@ program computes n + 1 tiles (n odd: the middle program computes its block once)
 Each program writes one fp32 partial sum; the host adds the partials of an example
 (a fixed order: deterministic, no atomics).
 
+Short sequences and few examples (fewer than ``SPLIT_TARGET`` programs, e.g. 32 examples of
+T <= 64: one program each) would leave most of the GPU idle, so the work splits further: program
+(b, pair, slice) makes tile pair (t-block, s-block) of example b's Gram of a over one column slice
+(or of g's), into an fp32 scratch of tiles (``_gram_slice_kernel``); program (b, pair) then sums
+the slices of both Grams in slice order, multiplies them and sums the tile
+(``_gram_slices_product_kernel``). Slices are at least ``SPLIT_MIN_COLS`` columns wide: the
+scratch costs 8 BLOCK_T^2 bytes per slice, against 2 BLOCK_T SPLIT_MIN_COLS bytes (fp16) read.
+The shape alone picks the split, so results do not depend on the GPU.
+
 Clip factors: norms[i] = sqrt(sum_l sq[l, i]), factors[i] = min(1, C / (norms[i] + 1e-6)),
 one launch, fp32, IEEE sqrt and division; NaN propagates.
 
@@ -41,6 +50,8 @@ BLOCK_T = 64  # rows of a Gram tile (t and s): tl.dot needs >= 16
 BLOCK_K = 32  # chunk of D (and P) per tl.dot (64 spills with the three fp32 accumulators)
 NUM_WARPS = 8  # with BLOCK_K 32: no register spills on sm_90 (4 warps, 64 x 64: 1128 B of stack, fp32)
 CLIP_BLOCK = 1024  # examples per program of the clip-factor kernel
+SPLIT_TARGET = 256  # programs to aim for: fewer (few examples, short sequences) split the column sums too
+SPLIT_MIN_COLS = 256  # columns per slice at least (a slice's partial Gram tile costs 4 BLOCK_T^2 bytes twice)
 CLIP_EPS = 1e-6
 
 
@@ -50,18 +61,20 @@ def _gram_tile(
     rows_t,  # int64[BLOCK_T]: t indices of the tile
     rows_s,  # int64[BLOCK_T]: s indices of the tile
     T,  # rows of the example
-    K,  # columns of x (D or P)
+    K,  # columns of x (D or P): the row stride
+    k_lo,  # first column of the product
+    k_hi,  # one past its last column (<= K)
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # cast tiles to fp32 before tl.dot (interpreter; fp32 inputs)
 ):
-    """fp32 tile ``x[rows_t] @ x[rows_s]^T`` ([BLOCK_T, BLOCK_T]); rows >= T and columns >= K read as 0."""
+    """fp32 tile ``x[rows_t, k_lo:k_hi] @ x[rows_s, k_lo:k_hi]^T`` ([BLOCK_T, BLOCK_T]); rows >= T read as 0."""
     gram = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
     mask_t = rows_t < T
     mask_s = rows_s < T
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_lo, k_hi, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
-        mask_k = cols < K
+        mask_k = cols < k_hi
         xt = tl.load(x_ptr + rows_t[:, None] * K + cols[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
         xs = tl.load(x_ptr + rows_s[:, None] * K + cols[None, :], mask=mask_s[:, None] & mask_k[None, :], other=0.0)
         if UPCAST:
@@ -101,11 +114,92 @@ def _ghost_norm_sq_kernel(
         rows_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         for s0 in range(t0, T, BLOCK_T):
             rows_s = s0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            gram_a = _gram_tile(a_base, rows_t, rows_s, T, D, BLOCK_T, BLOCK_K, UPCAST)
-            gram_g = _gram_tile(g_base, rows_t, rows_s, T, P, BLOCK_T, BLOCK_K, UPCAST)
+            gram_a = _gram_tile(a_base, rows_t, rows_s, T, D, 0, D, BLOCK_T, BLOCK_K, UPCAST)
+            gram_g = _gram_tile(g_base, rows_t, rows_s, T, P, 0, P, BLOCK_T, BLOCK_K, UPCAST)
             weight = tl.where(s0 == t0, 1.0, 2.0)  # (t, s) and (s, t) off the diagonal
             acc += weight * (gram_a * gram_g)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _tile_pair(pair, NUM_T_BLOCKS):
+    """(t-block, s-block), t <= s, of tile pair ``pair`` of the upper triangle, row by row."""
+    tb = pair * 0
+    rest = pair
+    while rest >= NUM_T_BLOCKS - tb:
+        rest -= NUM_T_BLOCKS - tb
+        tb += 1
+    return tb, tb + rest
+
+
+@triton.jit
+def _gram_slice_kernel(
+    a_ptr,  # [B, T, D] layer inputs (fp32, fp16 or bf16), contiguous
+    g_ptr,  # [B, T, P] output gradients (same dtype as a), contiguous
+    scratch_ptr,  # fp32 [B, NUM_PAIRS, SLICES_A + SLICES_G, BLOCK_T, BLOCK_T] (written)
+    T,
+    D,
+    P,
+    NUM_T_BLOCKS,
+    NUM_PAIRS,  # NUM_T_BLOCKS (NUM_T_BLOCKS + 1) / 2
+    SLICES_A,  # column slices of a
+    SLICES_G,  # column slices of g
+    COLS_A,  # columns per slice of a (a multiple of BLOCK_K)
+    COLS_G,  # columns per slice of g
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (b, pair, slice): the pair's Gram tile over one column slice of a (slice < SLICES_A) or of g."""
+    pid = tl.program_id(0).to(tl.int64)
+    slices = SLICES_A + SLICES_G
+    piece = pid % slices
+    pair = (pid // slices) % NUM_PAIRS
+    b = pid // (slices * NUM_PAIRS)
+    T = tl.cast(T, tl.int64)
+    tb, sb = _tile_pair(pair, NUM_T_BLOCKS)
+    rows_t = tb * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    rows_s = sb * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    if piece < SLICES_A:  # scalars only: one inlined product below (two would spill)
+        x_ptr = a_ptr + b * T * D
+        width = D
+        k_lo = piece * COLS_A
+        k_hi = tl.minimum(k_lo + COLS_A, D)
+    else:
+        x_ptr = g_ptr + b * T * P
+        width = P
+        k_lo = (piece - SLICES_A) * COLS_G
+        k_hi = tl.minimum(k_lo + COLS_G, P)
+    gram = _gram_tile(x_ptr, rows_t, rows_s, T, width, k_lo, k_hi, BLOCK_T, BLOCK_K, UPCAST)
+    out = scratch_ptr + pid * (BLOCK_T * BLOCK_T)  # a scalar base: 32-bit offsets within the tile
+    tl.store(out + tl.arange(0, BLOCK_T)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :], gram)
+
+
+@triton.jit
+def _gram_slices_product_kernel(
+    scratch_ptr,  # fp32 [B, NUM_PAIRS, SLICES_A + SLICES_G, BLOCK_T, BLOCK_T] (``_gram_slice_kernel``)
+    partial_ptr,  # fp32 [B, NUM_PAIRS] (written)
+    NUM_T_BLOCKS,
+    NUM_PAIRS,
+    SLICES_A,
+    SLICES_G,
+    BLOCK_T: tl.constexpr,
+):
+    """Program (b, pair): the slices of each Gram tile summed in slice order, multiplied, summed (off-diagonal
+    pairs twice)."""
+    pid = tl.program_id(0).to(tl.int64)
+    slices = SLICES_A + SLICES_G
+    tile = tl.arange(0, BLOCK_T)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+    base = scratch_ptr + pid * slices * BLOCK_T * BLOCK_T + tile
+    gram_a = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    for piece in range(0, SLICES_A):
+        gram_a += tl.load(base + piece * BLOCK_T * BLOCK_T)
+    gram_g = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    for piece in range(SLICES_A, slices):
+        gram_g += tl.load(base + piece * BLOCK_T * BLOCK_T)
+    tb, sb = _tile_pair(pid % NUM_PAIRS, NUM_T_BLOCKS)
+    weight = tl.where(tb == sb, 1.0, 2.0)  # (t, s) and (s, t) off the diagonal
+    tl.store(partial_ptr + pid, weight * tl.sum(tl.sum(gram_a * gram_g, axis=1), axis=0))
 
 
 @triton.jit
@@ -136,7 +230,7 @@ def hopper_ptx_present() -> dict:
     """PTX the sm_90 compile check must find: fp16/bf16 tiles multiplied on the tensor cores (``wgmma`` or ``mma``
     with fp32 accumulation), never upcast to fp32 FMAs."""
     tensor_cores = r"(wgmma\.mma_async|mma\.sync)[.a-z0-9]*\.f32\.(bf16|f16)"
-    return {"_ghost_norm_sq_kernel": [({"UPCAST": False}, tensor_cores)]}
+    return {name: [({"UPCAST": False}, tensor_cores)] for name in ("_ghost_norm_sq_kernel", "_gram_slice_kernel")}
 
 
 def _device_guard(x: torch.Tensor):
@@ -154,6 +248,14 @@ def _block_k(width: int) -> int:
     return max(16, min(BLOCK_K, triton.next_power_of_2(width)))
 
 
+def _slices(width: int, pieces: int, block_k: int) -> tuple[int, int]:
+    """(slices, columns per slice): at most ``pieces`` slices of ``width`` columns, each a multiple of block_k
+    and at least SPLIT_MIN_COLS wide."""
+    pieces = max(1, min(pieces, width // SPLIT_MIN_COLS))
+    cols = triton.cdiv(triton.cdiv(width, pieces), block_k) * block_k
+    return triton.cdiv(width, cols), cols
+
+
 def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """fp32 [B] ghost norms of contiguous a [B, T, D], g [B, T, P] (checked by ``fastdp.ops.norms``)."""
     batch, seq, dim_a = a.shape
@@ -161,15 +263,35 @@ def ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if batch == 0 or seq == 0 or dim_a == 0 or dim_g == 0:
         return torch.zeros(batch, device=a.device, dtype=torch.float32)
     block_t = _block_t(seq)
+    block_k = _block_k(max(dim_a, dim_g))
     num_t_blocks = triton.cdiv(seq, block_t)
     num_programs = triton.cdiv(num_t_blocks, 2)
-    partial = torch.empty(batch, num_programs, device=a.device, dtype=torch.float32)
     upcast = INTERPRET or a.dtype == torch.float32
+    target = SPLIT_TARGET  # read at call time (tests change it)
     with _device_guard(a):
-        _ghost_norm_sq_kernel[(batch * num_programs,)](
-            a, g, partial, seq, dim_a, dim_g, num_t_blocks, num_programs,
-            BLOCK_T=block_t, BLOCK_K=_block_k(max(dim_a, dim_g)), UPCAST=upcast, num_warps=NUM_WARPS,
+        if batch * num_programs >= target or max(dim_a, dim_g) < 2 * SPLIT_MIN_COLS:
+            partial = torch.empty(batch, num_programs, device=a.device, dtype=torch.float32)
+            _ghost_norm_sq_kernel[(batch * num_programs,)](
+                a, g, partial, seq, dim_a, dim_g, num_t_blocks, num_programs,
+                BLOCK_T=block_t, BLOCK_K=block_k, UPCAST=upcast, num_warps=NUM_WARPS,
+            )  # fmt: skip
+            return partial.sum(dim=1)
+        # Short sequences, few examples: the Gram tiles' column sums split over programs as well (the shape
+        # alone decides how: the result does not depend on the GPU).
+        num_pairs = num_t_blocks * (num_t_blocks + 1) // 2
+        pieces = triton.cdiv(target, batch * num_pairs)
+        slices_a, cols_a = _slices(dim_a, triton.cdiv(pieces * dim_a, dim_a + dim_g), block_k)
+        slices_g, cols_g = _slices(dim_g, triton.cdiv(pieces * dim_g, dim_a + dim_g), block_k)
+        scratch = torch.empty(batch * num_pairs * (slices_a + slices_g) * block_t * block_t, device=a.device,
+                              dtype=torch.float32)  # fmt: skip
+        _gram_slice_kernel[(batch * num_pairs * (slices_a + slices_g),)](
+            a, g, scratch, seq, dim_a, dim_g, num_t_blocks, num_pairs, slices_a, slices_g, cols_a, cols_g,
+            BLOCK_T=block_t, BLOCK_K=block_k, UPCAST=upcast, num_warps=NUM_WARPS,
         )  # fmt: skip
+        partial = torch.empty(batch, num_pairs, device=a.device, dtype=torch.float32)
+        _gram_slices_product_kernel[(batch * num_pairs,)](
+            scratch, partial, num_t_blocks, num_pairs, slices_a, slices_g, BLOCK_T=block_t, num_warps=NUM_WARPS
+        )
     return partial.sum(dim=1)
 
 
@@ -192,17 +314,27 @@ def hopper_compile_specs():
     """(kernel, signature, constexprs) of every kernel here, for the sm_90 compile check."""
     specs = []
     tiles = [(block_t, block_k) for block_t in (16, 32, BLOCK_T) for block_k in (16, BLOCK_K)]  # _block_t, _block_k
+    launch = {"num_warps": NUM_WARPS}
     for ptr in ("*fp32", "*fp16", "*bf16"):
         for block_t, block_k in tiles:
+            flags = {"BLOCK_T": block_t, "BLOCK_K": block_k, "UPCAST": ptr == "*fp32"}
             specs.append(
-                (
-                    _ghost_norm_sq_kernel,
-                    {"a_ptr": ptr, "g_ptr": ptr, "partial_ptr": "*fp32", "T": "i32", "D": "i32", "P": "i32",
-                     "NUM_T_BLOCKS": "i32", "NUM_PROGRAMS": "i32"},
-                    {"BLOCK_T": block_t, "BLOCK_K": block_k, "UPCAST": ptr == "*fp32"},
-                    {"num_warps": NUM_WARPS},
-                )
+                (_ghost_norm_sq_kernel,
+                 {"a_ptr": ptr, "g_ptr": ptr, "partial_ptr": "*fp32", "T": "i32", "D": "i32", "P": "i32",
+                  "NUM_T_BLOCKS": "i32", "NUM_PROGRAMS": "i32"}, flags, launch)
             )  # fmt: skip
+            specs.append(
+                (_gram_slice_kernel,
+                 {"a_ptr": ptr, "g_ptr": ptr, "scratch_ptr": "*fp32", "T": "i32", "D": "i32", "P": "i32",
+                  "NUM_T_BLOCKS": "i32", "NUM_PAIRS": "i32", "SLICES_A": "i32", "SLICES_G": "i32", "COLS_A": "i32",
+                  "COLS_G": "i32"}, flags, launch)
+            )  # fmt: skip
+    for block_t in (16, 32, BLOCK_T):
+        specs.append(
+            (_gram_slices_product_kernel,
+             {"scratch_ptr": "*fp32", "partial_ptr": "*fp32", "NUM_T_BLOCKS": "i32", "NUM_PAIRS": "i32",
+              "SLICES_A": "i32", "SLICES_G": "i32"}, {"BLOCK_T": block_t}, launch)
+        )  # fmt: skip
     specs.append(
         (
             _clip_factors_kernel,

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastdp
+from fastdp._backend import available
 from fastdp.ops import clip_factors, ghost_norm_sq
 from fastdp.ops import norms as norms_op
 from fastdp.ref import norms as ref
@@ -267,6 +268,37 @@ def test_ghost_norm_sq_several_tiles(device_backend, batch, seq, dim_a, dim_g, d
     _assert_ghost_close(ghost_norm_sq(a, g), a, g, f"{backend} B={batch} T={seq} d={dim_a} p={dim_g} {dtype}")
 
 
+@pytest.mark.parametrize(
+    "batch, seq, dim_a, dim_g", [(2, 5, 70, 33), (1, 64, 100, 100), (3, 100, 64, 20), (1, 130, 50, 90)]
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ghost_norm_sq_split_over_column_slices(batch, seq, dim_a, dim_g, dtype, monkeypatch, restore_backend):
+    """Few examples of short sequences: the Triton path splits each Gram's columns over programs (lowered
+    thresholds: ragged slices, several tile pairs); the result is the reference's, and the same run to run."""
+    triton_norms = pytest.importorskip("fastdp.kernels.norms")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ok, why = available("triton", device)
+    if not ok:
+        pytest.skip(why)
+    fastdp.set_backend("triton")
+    monkeypatch.setattr(triton_norms, "SPLIT_MIN_COLS", 16)
+    monkeypatch.setattr(triton_norms, "SPLIT_TARGET", 64)
+    launches = []
+    kernel = triton_norms._gram_slice_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_norms, "_gram_slice_kernel", Counting())
+    a, g = _inputs(batch, seq, dim_a, dim_g, dtype, device, seed=seq)
+    out = ghost_norm_sq(a, g)
+    assert len(launches) == 1 and launches[0][0] > batch, launches  # more programs than examples
+    _assert_ghost_close(out, a, g, f"split B={batch} T={seq} d={dim_a} p={dim_g} {dtype}")
+    assert torch.equal(ghost_norm_sq(a, g), out)
+
+
 def test_ghost_norm_sq_equals_explicit_per_example_gradient_norms(device_backend):
     """||a_i^T g_i||_F^2 with the per-example gradients formed by einsum('btd,btp->bdp')."""
     device, backend = device_backend
@@ -474,6 +506,10 @@ def test_compiles_fullgraph(restore_backend):
 def test_every_triton_tile_the_launcher_chooses_is_compile_checked():
     """The sm_90 compile check (tests/hopper_compile.py) covers each (BLOCK_T, BLOCK_K) that ghost_norm_sq launches."""
     triton_norms = pytest.importorskip("fastdp.kernels.norms")
-    checked = {(c["BLOCK_T"], c["BLOCK_K"]) for fn, _, c, *_ in triton_norms.hopper_compile_specs() if "BLOCK_T" in c}
+    specs = triton_norms.hopper_compile_specs()
     launched = {(triton_norms._block_t(t), triton_norms._block_k(w)) for t in range(1, 300) for w in range(1, 300)}
-    assert launched <= checked, sorted(launched - checked)
+    for kernel in (triton_norms._ghost_norm_sq_kernel, triton_norms._gram_slice_kernel):
+        checked = {(c["BLOCK_T"], c["BLOCK_K"]) for fn, _, c, *_ in specs if fn is kernel}
+        assert launched <= checked, (kernel, sorted(launched - checked))
+    products = {c["BLOCK_T"] for fn, _, c, *_ in specs if fn is triton_norms._gram_slices_product_kernel}
+    assert {t for t, _ in launched} <= products
