@@ -234,10 +234,12 @@ at::Tensor ghost_norm_sq(const at::Tensor& a, const at::Tensor& g) {
 #ifdef FASTDP_WITH_CUDA
   TORCH_CHECK(a.device().is_cuda(), "fastdp ghost_norm_sq: unsupported device ", a.device());
   const c10::cuda::CUDAGuard guard(a.device());
-  at::Tensor partial = at::empty({shape.batch * ghost_items_per_example(shape.seq)}, out.options());
+  const GhostPlan plan = ghost_plan(shape);
+  at::Tensor partial = at::empty({shape.batch * plan.items}, out.options());
+  at::Tensor scratch = at::empty({plan.scratch}, out.options());
   const cudaError_t err = launch_ghost_norm_sq_cuda(a.data_ptr(), g.data_ptr(), shape, kind,
-                                                    partial.data_ptr<float>(), out.data_ptr<float>(),
-                                                    at::cuda::getCurrentCUDAStream());
+                                                    partial.data_ptr<float>(), scratch.data_ptr<float>(),
+                                                    out.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "fastdp ghost_norm_sq: CUDA launch failed: ", cudaGetErrorString(err));
   return out;
 #else

@@ -57,6 +57,18 @@ def test_16_bit_ghost_gram_tiles_run_on_tensor_cores():
     assert kernel == "ghost_tiles_kernel" and "HMMA" not in sass and "FFMA" in sass  # fp32: no TF32 rounding
 
 
+def test_16_bit_ghost_gram_slices_run_on_tensor_cores():
+    """The split plan's slice kernel (few examples of short sequences) multiplies like the tile kernels."""
+    functions, _ = compiled("norms")
+    slices = {DTYPES[m.group(1)]: sass for name, sass in functions.items()
+              if (m := re.search(r"ghost_slice_kernelI(f|6__half|13__nv_bfloat16)E", name))}  # fmt: skip
+    assert set(slices) == {"float32", "float16", "bfloat16"}, sorted(functions)
+    assert re.search(r"\bHMMA\.16816\.F32\s", slices["float16"]) and re.search(
+        r"\bHMMA\.16816\.F32\.BF16\s", slices["bfloat16"]
+    )
+    assert "HMMA" not in slices["float32"] and "FFMA" in slices["float32"]
+
+
 def test_bjorck_products_run_on_tf32_tensor_cores():
     functions, _ = compiled("orthogonal")
     kernels = {name: sass for name, sass in functions.items() if re.search(r"(gram|bjorck_update)_kernel", name)}

@@ -299,6 +299,25 @@ def test_ghost_norm_sq_split_over_column_slices(batch, seq, dim_a, dim_g, dtype,
     assert torch.equal(ghost_norm_sq(a, g), out)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize(
+    "batch, seq, dim_a, dim_g", [(2, 50, 700, 600), (3, 130, 1024, 520), (1, 200, 512, 8), (300, 10, 600, 600)]
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ghost_norm_sq_cuda_split_over_column_slices(batch, seq, dim_a, dim_g, dtype, restore_backend):
+    """The CUDA kernels' split of the column sums (few examples of short sequences: the first three shapes; the
+    last one has enough examples not to split): the reference's result, the same bits run to run."""
+    ok, why = available("cuda", "cuda")
+    if not ok:
+        pytest.skip(why)
+    fastdp.set_backend("cuda")
+    a, g = _inputs(batch, seq, dim_a, dim_g, dtype, "cuda", seed=seq)
+    out = ghost_norm_sq(a, g)
+    _assert_ghost_close(out, a, g, f"cuda split B={batch} T={seq} d={dim_a} p={dim_g} {dtype}")
+    assert torch.equal(ghost_norm_sq(a, g), out)
+
+
 def test_ghost_norm_sq_equals_explicit_per_example_gradient_norms(device_backend):
     """||a_i^T g_i||_F^2 with the per-example gradients formed by einsum('btd,btp->bdp')."""
     device, backend = device_backend

@@ -38,24 +38,26 @@ using Accumulator = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, kFrag, kFr
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 
-// acc[i][j] = x[t0 + ty + 16 i] . x[s0 + tx + 16 j] (rows >= seq read as 0); x is [seq, k_dim].
+// acc[i][j] = x[t0 + ty + 16 i, k_lo:k_hi] . x[s0 + tx + 16 j, k_lo:k_hi] (rows >= seq read as 0); x is
+// [seq, k_dim].
 template <typename T>
 __device__ __forceinline__ void gram_sub_tile(const T* __restrict__ x, int64_t t0, int64_t s0, int64_t seq,
-                                              int64_t k_dim, float (*sh_t)[kGhostTile + 1],
-                                              float (*sh_s)[kGhostTile + 1], float (&acc)[kSub][kSub]) {
+                                              int64_t k_dim, int64_t k_lo, int64_t k_hi,
+                                              float (*sh_t)[kGhostTile + 1], float (*sh_s)[kGhostTile + 1],
+                                              float (&acc)[kSub][kSub]) {
   const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
 #pragma unroll
   for (int i = 0; i < kSub; ++i) {
 #pragma unroll
     for (int j = 0; j < kSub; ++j) acc[i][j] = 0.0f;
   }
-  for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
+  for (int64_t k0 = k_lo; k0 < k_hi; k0 += kChunk) {
     for (int e = threadIdx.x; e < kGhostTile * kChunk; e += kThreads) {
       const int r = e / kChunk, c = e % kChunk;  // consecutive threads: consecutive columns of a row
       const int64_t k = k0 + c;
       const int64_t rt = t0 + r, rs = s0 + r;
-      sh_t[c][r] = (rt < seq && k < k_dim) ? to_float(x[rt * k_dim + k]) : 0.0f;
-      sh_s[c][r] = (rs < seq && k < k_dim) ? to_float(x[rs * k_dim + k]) : 0.0f;
+      sh_t[c][r] = (rt < seq && k < k_hi) ? to_float(x[rt * k_dim + k]) : 0.0f;
+      sh_s[c][r] = (rs < seq && k < k_hi) ? to_float(x[rs * k_dim + k]) : 0.0f;
     }
     __syncthreads();
 #pragma unroll
@@ -78,25 +80,25 @@ __device__ __forceinline__ void gram_sub_tile(const T* __restrict__ x, int64_t t
 __device__ __forceinline__ __half zero_of(__half) { return __float2half(0.0f); }
 __device__ __forceinline__ __nv_bfloat16 zero_of(__nv_bfloat16) { return __float2bfloat16(0.0f); }
 
-// acc[q] = this warp's fragments (w / 2, 2 (w % 2) + q) of the Gram tile x[t0:t0+64] x[s0:s0+64]^T (rows >= seq
-// read as 0), on tensor cores; x is [seq, k_dim] in a 16-bit type.
+// acc[q] = this warp's fragments (w / 2, 2 (w % 2) + q) of the Gram tile x[t0:t0+64, k_lo:k_hi]
+// x[s0:s0+64, k_lo:k_hi]^T (rows >= seq read as 0), on tensor cores; x is [seq, k_dim] in a 16-bit type.
 template <typename T>
 __device__ __forceinline__ void gram_fragments(const T* __restrict__ x, int64_t t0, int64_t s0, int64_t seq,
-                                               int64_t k_dim, T (*sh_t)[kTcLd], T (*sh_s)[kTcLd],
-                                               Accumulator (&acc)[2]) {
+                                               int64_t k_dim, int64_t k_lo, int64_t k_hi, T (*sh_t)[kTcLd],
+                                               T (*sh_s)[kTcLd], Accumulator (&acc)[2]) {
   namespace wmma = nvcuda::wmma;
   const int warp = threadIdx.x / 32;
   const int frag_row = warp / 2, frag_col = 2 * (warp % 2);
   const T zero = zero_of(T{});
   wmma::fill_fragment(acc[0], 0.0f);
   wmma::fill_fragment(acc[1], 0.0f);
-  for (int64_t k0 = 0; k0 < k_dim; k0 += kTcChunk) {
+  for (int64_t k0 = k_lo; k0 < k_hi; k0 += kTcChunk) {
     for (int e = threadIdx.x; e < kGhostTile * kTcChunk; e += kThreads) {
       const int r = e / kTcChunk, c = e % kTcChunk;  // consecutive threads: consecutive columns of a row
       const int64_t k = k0 + c;
       const int64_t rt = t0 + r, rs = s0 + r;
-      sh_t[r][c] = (rt < seq && k < k_dim) ? x[rt * k_dim + k] : zero;
-      sh_s[r][c] = (rs < seq && k < k_dim) ? x[rs * k_dim + k] : zero;
+      sh_t[r][c] = (rt < seq && k < k_hi) ? x[rt * k_dim + k] : zero;
+      sh_s[r][c] = (rs < seq && k < k_hi) ? x[rs * k_dim + k] : zero;
     }
     __syncthreads();
 #pragma unroll
@@ -148,8 +150,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t t0 = (pass == 0 ? item : last) * kGhostTile;
     for (int64_t s0 = t0; s0 < seq; s0 += kGhostTile) {
       float ga[kSub][kSub], gg[kSub][kSub];
-      gram_sub_tile(ab, t0, s0, seq, shape.dim_a, sh_t, sh_s, ga);
-      gram_sub_tile(gb, t0, s0, seq, shape.dim_g, sh_t, sh_s, gg);
+      gram_sub_tile(ab, t0, s0, seq, shape.dim_a, 0, shape.dim_a, sh_t, sh_s, ga);
+      gram_sub_tile(gb, t0, s0, seq, shape.dim_g, 0, shape.dim_g, sh_t, sh_s, gg);
       float tile = 0.0f;
 #pragma unroll
       for (int i = 0; i < kSub; ++i) {
@@ -181,8 +183,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t t0 = (pass == 0 ? item : last) * kGhostTile;
     for (int64_t s0 = t0; s0 < seq; s0 += kGhostTile) {
       Accumulator ga[2], gg[2];
-      gram_fragments(ab, t0, s0, seq, shape.dim_a, sh_t, sh_s, ga);
-      gram_fragments(gb, t0, s0, seq, shape.dim_g, sh_t, sh_s, gg);
+      gram_fragments(ab, t0, s0, seq, shape.dim_a, 0, shape.dim_a, sh_t, sh_s, ga);
+      gram_fragments(gb, t0, s0, seq, shape.dim_g, 0, shape.dim_g, sh_t, sh_s, gg);
       float tile = 0.0f;
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
@@ -193,6 +195,81 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   write_block_sum(local, warp_sums, partial, w);
+}
+
+// (t-block, s-block), t <= s, of tile pair `pair` of the upper triangle of n x n blocks, row by row.
+__device__ __forceinline__ void tile_pair(int64_t pair, int64_t n, int64_t& tb, int64_t& sb) {
+  tb = 0;
+  while (pair >= n - tb) {
+    pair -= n - tb;
+    ++tb;
+  }
+  sb = tb + pair;
+}
+
+// Block w = (b, pair, slice) of a split plan (fastdp/norms.h): the pair's Gram tile of example b over one column
+// slice of a (slice < slices_a) or of g, into scratch tile w (64 x 64 fp32, row-major).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    ghost_slice_kernel(const T* __restrict__ a, const T* __restrict__ g, GhostNormShape shape, GhostPlan plan,
+                       float* __restrict__ scratch) {
+  const int64_t w = blockIdx.x;
+  const int64_t slices = plan.slices_a + plan.slices_g;
+  const int64_t piece = w % slices, pair = (w / slices) % plan.items, b = w / (slices * plan.items);
+  int64_t tb, sb;
+  tile_pair(pair, plan.t_blocks, tb, sb);
+  const bool of_a = piece < plan.slices_a;
+  const int64_t width = of_a ? shape.dim_a : shape.dim_g;
+  const T* x = of_a ? a + b * shape.seq * shape.dim_a : g + b * shape.seq * shape.dim_g;
+  const int64_t k_lo = of_a ? piece * plan.cols_a : (piece - plan.slices_a) * plan.cols_g;
+  const int64_t k_hi = min(k_lo + (of_a ? plan.cols_a : plan.cols_g), width);
+  const int64_t t0 = tb * kGhostTile, s0 = sb * kGhostTile;
+  float* tile = scratch + w * kGhostTile * kGhostTile;
+  if constexpr (std::is_same_v<T, float>) {
+    __shared__ float sh_t[kChunk][kGhostTile + 1];
+    __shared__ float sh_s[kChunk][kGhostTile + 1];
+    float acc[kSub][kSub];
+    gram_sub_tile(x, t0, s0, shape.seq, width, k_lo, k_hi, sh_t, sh_s, acc);
+    const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) tile[(ty + kSide * i) * kGhostTile + tx + kSide * j] = acc[i][j];
+    }
+  } else {
+    __shared__ __align__(32) T sh_t[kGhostTile][kTcLd];
+    __shared__ __align__(32) T sh_s[kGhostTile][kTcLd];
+    Accumulator acc[2];
+    gram_fragments(x, t0, s0, shape.seq, width, k_lo, k_hi, sh_t, sh_s, acc);
+    const int warp = threadIdx.x / 32;
+    const int frag_row = warp / 2, frag_col = 2 * (warp % 2);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      nvcuda::wmma::store_matrix_sync(tile + kFrag * frag_row * kGhostTile + kFrag * (frag_col + q), acc[q],
+                                      kGhostTile, nvcuda::wmma::mem_row_major);
+    }
+  }
+}
+
+// Block w = (b, pair): the slices of both Gram tiles summed in slice order, multiplied, summed; partial[w] (the
+// off-diagonal pairs twice).
+__global__ void __launch_bounds__(kThreads)
+    ghost_slices_product_kernel(const float* __restrict__ scratch, GhostNormShape shape, GhostPlan plan,
+                                float* __restrict__ partial) {
+  __shared__ float warp_sums[kThreads / 32];
+  const int64_t w = blockIdx.x;
+  const int64_t slices = plan.slices_a + plan.slices_g;
+  const float* base = scratch + w * slices * kGhostTile * kGhostTile;
+  float local = 0.0f;
+  for (int e = threadIdx.x; e < kGhostTile * kGhostTile; e += kThreads) {
+    float ga = 0.0f, gg = 0.0f;
+    for (int64_t piece = 0; piece < plan.slices_a; ++piece) ga += base[piece * kGhostTile * kGhostTile + e];
+    for (int64_t piece = plan.slices_a; piece < slices; ++piece) gg += base[piece * kGhostTile * kGhostTile + e];
+    local = fmaf(ga, gg, local);
+  }
+  int64_t tb, sb;
+  tile_pair(w % plan.items, plan.t_blocks, tb, sb);
+  write_block_sum((tb == sb ? 1.0f : 2.0f) * local, warp_sums, partial, w);
 }
 
 // out[b] = sum of example b's item partials, in item order.
@@ -218,35 +295,48 @@ __global__ void clip_factors_kernel(const float* __restrict__ sq, int64_t layers
 }
 
 template <typename T>
-cudaError_t launch_ghost_typed(const void* a, const void* g, GhostNormShape shape, float* partial, float* out,
-                               cudaStream_t stream) {
-  const int64_t items = ghost_items_per_example(shape.seq);
-  const int64_t blocks = shape.batch * items;
-  if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-  if constexpr (std::is_same_v<T, float>) {
-    ghost_tiles_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
-        static_cast<const T*>(a), static_cast<const T*>(g), shape, items, ghost_num_t_blocks(shape.seq), partial);
+cudaError_t launch_ghost_typed(const void* a, const void* g, GhostNormShape shape, float* partial, float* scratch,
+                               float* out, cudaStream_t stream) {
+  const GhostPlan plan = ghost_plan(shape);
+  const T* at = static_cast<const T*>(a);
+  const T* gt = static_cast<const T*>(g);
+  if (plan.split) {
+    const int64_t blocks = shape.batch * plan.items * (plan.slices_a + plan.slices_g);
+    if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+    ghost_slice_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(at, gt, shape, plan, scratch);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    ghost_slices_product_kernel<<<static_cast<unsigned int>(shape.batch * plan.items), kThreads, 0, stream>>>(
+        scratch, shape, plan, partial);
   } else {
-    ghost_tiles_tc_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
-        static_cast<const T*>(a), static_cast<const T*>(g), shape, items, ghost_num_t_blocks(shape.seq), partial);
+    const int64_t blocks = shape.batch * plan.items;
+    if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+    if constexpr (std::is_same_v<T, float>) {
+      ghost_tiles_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(at, gt, shape, plan.items,
+                                                                                        plan.t_blocks, partial);
+    } else {
+      ghost_tiles_tc_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
+          at, gt, shape, plan.items, plan.t_blocks, partial);
+    }
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t sum_blocks = (shape.batch + kThreads - 1) / kThreads;
-  ghost_sum_kernel<<<static_cast<unsigned int>(sum_blocks), kThreads, 0, stream>>>(partial, shape.batch, items, out);
+  ghost_sum_kernel<<<static_cast<unsigned int>(sum_blocks), kThreads, 0, stream>>>(partial, shape.batch, plan.items,
+                                                                                    out);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t launch_ghost_norm_sq_cuda(const void* a, const void* g, GhostNormShape shape, ScalarKind kind,
-                                      float* partial, float* out, cudaStream_t stream) {
+                                      float* partial, float* scratch, float* out, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
   if (shape.seq <= 0 || shape.dim_a <= 0 || shape.dim_g <= 0) return cudaErrorInvalidValue;
   switch (kind) {
-    case ScalarKind::kFloat32: return launch_ghost_typed<float>(a, g, shape, partial, out, stream);
-    case ScalarKind::kFloat16: return launch_ghost_typed<__half>(a, g, shape, partial, out, stream);
-    case ScalarKind::kBFloat16: return launch_ghost_typed<__nv_bfloat16>(a, g, shape, partial, out, stream);
+    case ScalarKind::kFloat32: return launch_ghost_typed<float>(a, g, shape, partial, scratch, out, stream);
+    case ScalarKind::kFloat16: return launch_ghost_typed<__half>(a, g, shape, partial, scratch, out, stream);
+    case ScalarKind::kBFloat16: return launch_ghost_typed<__nv_bfloat16>(a, g, shape, partial, scratch, out, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -8,11 +8,12 @@
 namespace fastdp {
 
 // out[b] (fp32) = ghost norm of example b (fastdp/norms.h). a, g: contiguous device
-// buffers of `kind`; partial: device workspace of batch * ghost_items_per_example(seq)
-// floats. Two launches (tiles, then per-example sums in item order). Returns the first
-// launch error (cudaSuccess if none). shape.seq, dim_a, dim_g must be > 0.
+// buffers of `kind`; with plan = ghost_plan(shape), partial: device workspace of
+// batch * plan.items floats, scratch: of plan.scratch floats (unused without a split).
+// Two launches (tiles, then per-example sums in item order), three when split. Returns the
+// first launch error (cudaSuccess if none). shape.seq, dim_a, dim_g must be > 0.
 cudaError_t launch_ghost_norm_sq_cuda(const void* a, const void* g, GhostNormShape shape, ScalarKind kind,
-                                      float* partial, float* out, cudaStream_t stream);
+                                      float* partial, float* scratch, float* out, cudaStream_t stream);
 
 // norms, factors [batch] of sq [layers, batch] (fp32, contiguous, device); one launch.
 cudaError_t launch_clip_factors_cuda(const float* sq, int64_t layers, int64_t batch, float clip, float* norms,
