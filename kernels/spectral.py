@@ -137,6 +137,23 @@ def _sum_blocks(ptr, count, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _sum_partials(part, stride, count, out, lo, hi, BLOCK: tl.constexpr):
+    """out[lo:hi] = sum over k = 0, 1, ..., count - 1 of part[k * stride + lo:hi] (in that order; the other programs'
+    partials read past L1); returns the sum of squares of out[lo:hi]."""
+    offs = tl.arange(0, BLOCK).to(tl.int64)
+    sum_sq = tl.cast(0.0, tl.float32)
+    for x0 in range(lo, hi, BLOCK):
+        x = x0 + offs
+        mask = x < hi
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(0, count):
+            acc += tl.load(part + k * stride + x, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out + x, acc, mask=mask)
+        sum_sq += tl.sum(acc * acc)
+    return sum_sq
+
+
+@triton.jit
 def _split_step_kernel(
     w_ptr,  # flat buffer: matrix l row-major at meta[l, 0] (fp32, fp16 or bf16)
     u_ptr,  # fp32 flat: u_l at meta[l, 1] (unscaled; unit on the first step)
@@ -198,16 +215,7 @@ def _split_step_kernel(
         tl.debug_barrier()  # every thread's partial stored before the release below
         arrived = tl.atomic_add(counts + i, 1, sem="acq_rel", scope="gpu")
         if arrived == n_j - 1:  # last of row region i: v[rows] = sum over j in order, and its sum of squares
-            sum_sq = tl.cast(0.0, tl.float32)
-            for r0 in range(r_lo, r_hi, BLOCK_M):
-                r = r0 + rows
-                mask_r = r < r_hi
-                acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for jj in range(0, n_j):
-                    acc += tl.load(part + jj * m + r, mask=mask_r, other=0.0, cache_modifier=".cg")
-                tl.store(v_base + r, acc, mask=mask_r)
-                sum_sq += tl.sum(acc * acc)
-            tl.store(sq_v + i, sum_sq)
+            tl.store(sq_v + i, _sum_partials(part, m, n_j, v_base, r_lo, r_hi, BLOCK_M))
             tl.store(counts + i, 0)  # every program of the region has arrived: ready for the next launch
     else:
         scale = tl.div_rn(1.0, tl.maximum(tl.sqrt_rn(_sum_blocks(sq_v, n_i, 128)), EPS))
@@ -227,16 +235,7 @@ def _split_step_kernel(
         tl.debug_barrier()  # every thread's partial stored before the release below
         arrived = tl.atomic_add(counts + n_i + j, 1, sem="acq_rel", scope="gpu")
         if arrived == n_i - 1:  # last of column region j: u[columns] = sum over i in order
-            sum_sq = tl.cast(0.0, tl.float32)
-            for c0 in range(c_lo, c_hi, BLOCK_N):
-                c = c0 + cols
-                mask_c = c < c_hi
-                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for ii in range(0, n_i):
-                    acc += tl.load(part + ii * n + c, mask=mask_c, other=0.0, cache_modifier=".cg")
-                tl.store(u_base + c, acc, mask=mask_c)
-                sum_sq += tl.sum(acc * acc)
-            tl.store(sq_u + j, sum_sq)
+            tl.store(sq_u + j, _sum_partials(part, n, n_i, u_base, c_lo, c_hi, BLOCK_N))
             tl.store(counts + n_i + j, 0)
 
 

@@ -5,11 +5,11 @@
 // (zero-padded) in shared memory, both Gram tiles are accumulated, and their elementwise
 // product is added up. A fixed-order block reduction writes the item's partial; a second
 // kernel adds an example's partials in item order. int64 indexing; deterministic (no atomics).
-// * float32 (ghost_tiles_kernel): fp32 SIMT; chunks of kChunk columns staged as fp32, each
-//   of the 16 x 16 threads keeps a 4 x 4 sub-tile of both Gram tiles in registers (rows
-//   ty + 16 i, columns tx + 16 j: no bank conflicts).
-// * float16 / bfloat16 (ghost_tiles_tc_kernel): tensor cores (WMMA 16 x 16 x 16, HMMA on
-//   sm_80+), fp32 accumulation; chunks of kTcChunk columns staged in the input's type; the
+// The tiles (GramTiles<T>, one per dtype, shared by the kernels):
+// * float32: fp32 SIMT; chunks of kChunk columns staged as fp32, each of the 16 x 16
+//   threads keeps a 4 x 4 sub-tile of both Gram tiles in registers (rows ty + 16 i,
+//   columns tx + 16 j: no bank conflicts).
+// * float16 / bfloat16: tensor cores (WMMA 16 x 16 x 16, HMMA on sm_80+), fp32 accumulation; chunks of kTcChunk columns staged in the input's type; the
 //   64 x 64 tile is 4 x 4 fragments, warp w of 8 holds fragments (w / 2, 2 (w % 2) + q),
 //   q = 0, 1, of both Gram tiles (same fragment type: the same element layout, so the
 //   elementwise product is per register). 16-bit products are exact in fp32, so tensor
@@ -36,86 +36,139 @@ constexpr int kFrag = 16;             // WMMA fragment side
 static_assert(kGhostTile == 4 * kFrag && kThreads == 8 * 32, "8 warps cover 4 x 4 fragments, two each");
 using Accumulator = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, kFrag, kFrag, kFrag, float>;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
+// The Gram tiles of one block, x[t0:t0+64, k_lo:k_hi] x[s0:s0+64, k_lo:k_hi]^T (rows >= seq read as 0; x is
+// [seq, k_dim]), with the shared staging they need (the kernels declare one __shared__ GramTiles<T>):
+// * float (SIMT): acc[i][j] = tile[ty + 16 i][tx + 16 j] of thread (ty, tx) of 16 x 16;
+// * 16-bit types (WMMA): acc[q] = this warp's fragments (w / 2, 2 (w % 2) + q).
+// gram() ends with a barrier: the staging is free for the next call.
+template <typename T, bool kTensorCores = !std::is_same_v<T, float>>
+struct GramTiles;
 
-// acc[i][j] = x[t0 + ty + 16 i, k_lo:k_hi] . x[s0 + tx + 16 j, k_lo:k_hi] (rows >= seq read as 0); x is
-// [seq, k_dim].
 template <typename T>
-__device__ __forceinline__ void gram_sub_tile(const T* __restrict__ x, int64_t t0, int64_t s0, int64_t seq,
-                                              int64_t k_dim, int64_t k_lo, int64_t k_hi,
-                                              float (*sh_t)[kGhostTile + 1], float (*sh_s)[kGhostTile + 1],
-                                              float (&acc)[kSub][kSub]) {
-  const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
+struct GramTiles<T, false> {
+  using Acc = float[kSub][kSub];
+  float sh_t[kChunk][kGhostTile + 1];  // sh_t[c][r] = x[t0 + r, k0 + c] (transposed: no bank conflicts)
+  float sh_s[kChunk][kGhostTile + 1];
+
+  __device__ __forceinline__ void gram(const T* __restrict__ x, int64_t t0, int64_t s0, int64_t seq, int64_t k_dim,
+                                       int64_t k_lo, int64_t k_hi, Acc& acc) {
+    const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
 #pragma unroll
-  for (int i = 0; i < kSub; ++i) {
+    for (int i = 0; i < kSub; ++i) {
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) acc[i][j] = 0.0f;
-  }
-  for (int64_t k0 = k_lo; k0 < k_hi; k0 += kChunk) {
-    for (int e = threadIdx.x; e < kGhostTile * kChunk; e += kThreads) {
-      const int r = e / kChunk, c = e % kChunk;  // consecutive threads: consecutive columns of a row
-      const int64_t k = k0 + c;
-      const int64_t rt = t0 + r, rs = s0 + r;
-      sh_t[c][r] = (rt < seq && k < k_hi) ? to_float(x[rt * k_dim + k]) : 0.0f;
-      sh_s[c][r] = (rs < seq && k < k_hi) ? to_float(x[rs * k_dim + k]) : 0.0f;
+      for (int j = 0; j < kSub; ++j) acc[i][j] = 0.0f;
     }
-    __syncthreads();
-#pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      float vt[kSub], vs[kSub];
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) vt[i] = sh_t[c][ty + kSide * i];
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) vs[j] = sh_s[c][tx + kSide * j];
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) acc[i][j] = fmaf(vt[i], vs[j], acc[i][j]);
+    for (int64_t k0 = k_lo; k0 < k_hi; k0 += kChunk) {
+      for (int e = threadIdx.x; e < kGhostTile * kChunk; e += kThreads) {
+        const int r = e / kChunk, c = e % kChunk;  // consecutive threads: consecutive columns of a row
+        const int64_t k = k0 + c;
+        const int64_t rt = t0 + r, rs = s0 + r;
+        sh_t[c][r] = (rt < seq && k < k_hi) ? x[rt * k_dim + k] : 0.0f;
+        sh_s[c][r] = (rs < seq && k < k_hi) ? x[rs * k_dim + k] : 0.0f;
       }
+      __syncthreads();
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        float vt[kSub], vs[kSub];
+#pragma unroll
+        for (int i = 0; i < kSub; ++i) vt[i] = sh_t[c][ty + kSide * i];
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) vs[j] = sh_s[c][tx + kSide * j];
+#pragma unroll
+        for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) acc[i][j] = fmaf(vt[i], vs[j], acc[i][j]);
+        }
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
-}
+
+  // sum over this thread's elements of a * b
+  static __device__ __forceinline__ float dot(const Acc& a, const Acc& b) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) sum = fmaf(a[i][j], b[i][j], sum);
+    }
+    return sum;
+  }
+
+  // tile[64 x 64] (fp32, row-major, global) = the block's accumulators
+  static __device__ __forceinline__ void store(const Acc& acc, float* tile) {
+    const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) tile[(ty + kSide * i) * kGhostTile + tx + kSide * j] = acc[i][j];
+    }
+  }
+};
 
 __device__ __forceinline__ __half zero_of(__half) { return __float2half(0.0f); }
 __device__ __forceinline__ __nv_bfloat16 zero_of(__nv_bfloat16) { return __float2bfloat16(0.0f); }
 
-// acc[q] = this warp's fragments (w / 2, 2 (w % 2) + q) of the Gram tile x[t0:t0+64, k_lo:k_hi]
-// x[s0:s0+64, k_lo:k_hi]^T (rows >= seq read as 0), on tensor cores; x is [seq, k_dim] in a 16-bit type.
 template <typename T>
-__device__ __forceinline__ void gram_fragments(const T* __restrict__ x, int64_t t0, int64_t s0, int64_t seq,
-                                               int64_t k_dim, int64_t k_lo, int64_t k_hi, T (*sh_t)[kTcLd],
-                                               T (*sh_s)[kTcLd], Accumulator (&acc)[2]) {
-  namespace wmma = nvcuda::wmma;
-  const int warp = threadIdx.x / 32;
-  const int frag_row = warp / 2, frag_col = 2 * (warp % 2);
-  const T zero = zero_of(T{});
-  wmma::fill_fragment(acc[0], 0.0f);
-  wmma::fill_fragment(acc[1], 0.0f);
-  for (int64_t k0 = k_lo; k0 < k_hi; k0 += kTcChunk) {
-    for (int e = threadIdx.x; e < kGhostTile * kTcChunk; e += kThreads) {
-      const int r = e / kTcChunk, c = e % kTcChunk;  // consecutive threads: consecutive columns of a row
-      const int64_t k = k0 + c;
-      const int64_t rt = t0 + r, rs = s0 + r;
-      sh_t[r][c] = (rt < seq && k < k_hi) ? x[rt * k_dim + k] : zero;
-      sh_s[r][c] = (rs < seq && k < k_hi) ? x[rs * k_dim + k] : zero;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < kTcChunk; kk += kFrag) {
-      // A = rows of t (row-major [16, 16] at sh_t[16 r][kk]); B(k, n) = x[s row n][k]: column-major at sh_s.
-      wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, T, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, &sh_t[kFrag * frag_row][kk], kTcLd);
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, T, wmma::col_major> fb;
-        wmma::load_matrix_sync(fb, &sh_s[kFrag * (frag_col + q)][kk], kTcLd);
-        wmma::mma_sync(acc[q], fa, fb, acc[q]);
+struct GramTiles<T, true> {
+  using Acc = Accumulator[2];
+  __align__(32) T sh_t[kGhostTile][kTcLd];  // sh_t[r][c] = x[t0 + r, k0 + c]
+  __align__(32) T sh_s[kGhostTile][kTcLd];
+
+  __device__ __forceinline__ void gram(const T* __restrict__ x, int64_t t0, int64_t s0, int64_t seq, int64_t k_dim,
+                                       int64_t k_lo, int64_t k_hi, Acc& acc) {
+    namespace wmma = nvcuda::wmma;
+    const int warp = threadIdx.x / 32;
+    const int frag_row = warp / 2, frag_col = 2 * (warp % 2);
+    const T zero = zero_of(T{});
+    wmma::fill_fragment(acc[0], 0.0f);
+    wmma::fill_fragment(acc[1], 0.0f);
+    for (int64_t k0 = k_lo; k0 < k_hi; k0 += kTcChunk) {
+      for (int e = threadIdx.x; e < kGhostTile * kTcChunk; e += kThreads) {
+        const int r = e / kTcChunk, c = e % kTcChunk;  // consecutive threads: consecutive columns of a row
+        const int64_t k = k0 + c;
+        const int64_t rt = t0 + r, rs = s0 + r;
+        sh_t[r][c] = (rt < seq && k < k_hi) ? x[rt * k_dim + k] : zero;
+        sh_s[r][c] = (rs < seq && k < k_hi) ? x[rs * k_dim + k] : zero;
       }
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kTcChunk; kk += kFrag) {
+        // A = rows of t (row-major [16, 16] at sh_t[16 r][kk]); B(k, n) = x[s row n][k]: column-major at sh_s.
+        wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, T, wmma::row_major> fa;
+        wmma::load_matrix_sync(fa, &sh_t[kFrag * frag_row][kk], kTcLd);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, T, wmma::col_major> fb;
+          wmma::load_matrix_sync(fb, &sh_s[kFrag * (frag_col + q)][kk], kTcLd);
+          wmma::mma_sync(acc[q], fa, fb, acc[q]);
+        }
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
-}
+
+  // sum over this thread's elements of a * b (fragments of one type share their element layout)
+  static __device__ __forceinline__ float dot(const Acc& a, const Acc& b) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int i = 0; i < a[q].num_elements; ++i) sum = fmaf(a[q].x[i], b[q].x[i], sum);
+    }
+    return sum;
+  }
+
+  static __device__ __forceinline__ void store(const Acc& acc, float* tile) {
+    const int warp = threadIdx.x / 32;
+    const int frag_row = warp / 2, frag_col = 2 * (warp % 2);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      nvcuda::wmma::store_matrix_sync(tile + kFrag * frag_row * kGhostTile + kFrag * (frag_col + q), acc[q],
+                                      kGhostTile, nvcuda::wmma::mem_row_major);
+    }
+  }
+};
 
 // partial[w] = the block's sum of `local`, in a fixed order: warps by shuffles, then warp 0 over the warp sums.
 __device__ __forceinline__ void write_block_sum(float local, float* warp_sums, float* __restrict__ partial,
@@ -136,8 +189,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     ghost_tiles_kernel(const T* __restrict__ a, const T* __restrict__ g, GhostNormShape shape, int64_t items,
                        int64_t num_t_blocks, float* __restrict__ partial) {
-  __shared__ float sh_t[kChunk][kGhostTile + 1];
-  __shared__ float sh_s[kChunk][kGhostTile + 1];
+  __shared__ GramTiles<T> tiles;
   __shared__ float warp_sums[kThreads / 32];
   const int64_t w = blockIdx.x;
   const int64_t b = w / items, item = w % items;
@@ -149,49 +201,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int pass = 0; pass < (last == item ? 1 : 2); ++pass) {
     const int64_t t0 = (pass == 0 ? item : last) * kGhostTile;
     for (int64_t s0 = t0; s0 < seq; s0 += kGhostTile) {
-      float ga[kSub][kSub], gg[kSub][kSub];
-      gram_sub_tile(ab, t0, s0, seq, shape.dim_a, 0, shape.dim_a, sh_t, sh_s, ga);
-      gram_sub_tile(gb, t0, s0, seq, shape.dim_g, 0, shape.dim_g, sh_t, sh_s, gg);
-      float tile = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) tile = fmaf(ga[i][j], gg[i][j], tile);
-      }
-      local += (s0 == t0 ? 1.0f : 2.0f) * tile;  // off-diagonal tiles: (t, s) and (s, t)
-    }
-  }
-  write_block_sum(local, warp_sums, partial, w);
-}
-
-// The same work items as ghost_tiles_kernel, for 16-bit inputs on tensor cores.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    ghost_tiles_tc_kernel(const T* __restrict__ a, const T* __restrict__ g, GhostNormShape shape, int64_t items,
-                          int64_t num_t_blocks, float* __restrict__ partial) {
-  __shared__ __align__(32) T sh_t[kGhostTile][kTcLd];
-  __shared__ __align__(32) T sh_s[kGhostTile][kTcLd];
-  __shared__ float warp_sums[kThreads / 32];
-  const int64_t w = blockIdx.x;
-  const int64_t b = w / items, item = w % items;
-  const int64_t seq = shape.seq;
-  const T* ab = a + b * seq * shape.dim_a;
-  const T* gb = g + b * seq * shape.dim_g;
-  const int64_t last = num_t_blocks - 1 - item;
-  float local = 0.0f;
-  for (int pass = 0; pass < (last == item ? 1 : 2); ++pass) {
-    const int64_t t0 = (pass == 0 ? item : last) * kGhostTile;
-    for (int64_t s0 = t0; s0 < seq; s0 += kGhostTile) {
-      Accumulator ga[2], gg[2];
-      gram_fragments(ab, t0, s0, seq, shape.dim_a, 0, shape.dim_a, sh_t, sh_s, ga);
-      gram_fragments(gb, t0, s0, seq, shape.dim_g, 0, shape.dim_g, sh_t, sh_s, gg);
-      float tile = 0.0f;
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-#pragma unroll
-        for (int i = 0; i < ga[q].num_elements; ++i) tile = fmaf(ga[q].x[i], gg[q].x[i], tile);
-      }
-      local += (s0 == t0 ? 1.0f : 2.0f) * tile;  // off-diagonal tiles: (t, s) and (s, t)
+      typename GramTiles<T>::Acc ga, gg;
+      tiles.gram(ab, t0, s0, seq, shape.dim_a, 0, shape.dim_a, ga);
+      tiles.gram(gb, t0, s0, seq, shape.dim_g, 0, shape.dim_g, gg);
+      local += (s0 == t0 ? 1.0f : 2.0f) * GramTiles<T>::dot(ga, gg);  // off-diagonal tiles: (t, s) and (s, t)
     }
   }
   write_block_sum(local, warp_sums, partial, w);
@@ -223,32 +236,10 @@ __global__ void __launch_bounds__(kThreads)
   const T* x = of_a ? a + b * shape.seq * shape.dim_a : g + b * shape.seq * shape.dim_g;
   const int64_t k_lo = of_a ? piece * plan.cols_a : (piece - plan.slices_a) * plan.cols_g;
   const int64_t k_hi = min(k_lo + (of_a ? plan.cols_a : plan.cols_g), width);
-  const int64_t t0 = tb * kGhostTile, s0 = sb * kGhostTile;
-  float* tile = scratch + w * kGhostTile * kGhostTile;
-  if constexpr (std::is_same_v<T, float>) {
-    __shared__ float sh_t[kChunk][kGhostTile + 1];
-    __shared__ float sh_s[kChunk][kGhostTile + 1];
-    float acc[kSub][kSub];
-    gram_sub_tile(x, t0, s0, shape.seq, width, k_lo, k_hi, sh_t, sh_s, acc);
-    const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
-#pragma unroll
-    for (int i = 0; i < kSub; ++i) {
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) tile[(ty + kSide * i) * kGhostTile + tx + kSide * j] = acc[i][j];
-    }
-  } else {
-    __shared__ __align__(32) T sh_t[kGhostTile][kTcLd];
-    __shared__ __align__(32) T sh_s[kGhostTile][kTcLd];
-    Accumulator acc[2];
-    gram_fragments(x, t0, s0, shape.seq, width, k_lo, k_hi, sh_t, sh_s, acc);
-    const int warp = threadIdx.x / 32;
-    const int frag_row = warp / 2, frag_col = 2 * (warp % 2);
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      nvcuda::wmma::store_matrix_sync(tile + kFrag * frag_row * kGhostTile + kFrag * (frag_col + q), acc[q],
-                                      kGhostTile, nvcuda::wmma::mem_row_major);
-    }
-  }
+  __shared__ GramTiles<T> tiles;
+  typename GramTiles<T>::Acc acc;
+  tiles.gram(x, tb * kGhostTile, sb * kGhostTile, shape.seq, width, k_lo, k_hi, acc);
+  GramTiles<T>::store(acc, scratch + w * kGhostTile * kGhostTile);
 }
 
 // Block w = (b, pair): the slices of both Gram tiles summed in slice order, multiplied, summed; partial[w] (the
@@ -311,13 +302,8 @@ cudaError_t launch_ghost_typed(const void* a, const void* g, GhostNormShape shap
   } else {
     const int64_t blocks = shape.batch * plan.items;
     if (blocks > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
-    if constexpr (std::is_same_v<T, float>) {
-      ghost_tiles_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(at, gt, shape, plan.items,
-                                                                                        plan.t_blocks, partial);
-    } else {
-      ghost_tiles_tc_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
-          at, gt, shape, plan.items, plan.t_blocks, partial);
-    }
+    ghost_tiles_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(at, gt, shape, plan.items,
+                                                                                      plan.t_blocks, partial);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;

@@ -158,6 +158,20 @@ __device__ __forceinline__ bool arrive_last(int32_t* counter, int64_t expected, 
   return *flag != 0;
 }
 
+// out[lo:hi] = sum over k = 0, 1, ..., count - 1 of part[k * stride + lo:hi] (in that order; the other blocks'
+// partials read from L2); returns the block's sum of squares of out[lo:hi], to every thread.
+__device__ __forceinline__ float sum_partials(const float* part, int64_t stride, int64_t count, float* out,
+                                              int64_t lo, int64_t hi, float* scratch) {
+  float sum_sq = 0.0f;
+  for (int64_t x = lo + threadIdx.x; x < hi; x += kThreads) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < count; ++k) acc += __ldcg(part + k * stride + x);
+    out[x] = acc;
+    sum_sq = fmaf(acc, acc, sum_sq);
+  }
+  return block_sum(sum_sq, scratch);
+}
+
 // part[j, rows of region i] = s_u W[region] u[columns of region j]; the last block of row region i sums the
 // n_j partials into v[rows] and writes the block's sum of squares. First step: u = u_in, normalised here.
 template <typename T>
@@ -185,14 +199,7 @@ __device__ void split_rows_block(const PowerIterSplitMatrix& d, int64_t i, int64
     if (lane == 0) d.part[j * m + r] = acc * scale;
   }
   if (!arrive_last(d.counts + i, d.n_j, flag)) return;
-  sum_sq = 0.0f;
-  for (int64_t r = r_lo + threadIdx.x; r < r_hi; r += kThreads) {
-    float acc = 0.0f;
-    for (int64_t jj = 0; jj < d.n_j; ++jj) acc += __ldcg(d.part + jj * m + r);
-    d.v[r] = acc;
-    sum_sq = fmaf(acc, acc, sum_sq);
-  }
-  sum_sq = block_sum(sum_sq, scratch);
+  sum_sq = sum_partials(d.part, m, d.n_j, d.v, r_lo, r_hi, scratch);
   if (threadIdx.x == 0) {
     d.sq[d.n_j + i] = sum_sq;
     d.counts[i] = 0;  // every block of the region has arrived: ready for the next launch
@@ -228,14 +235,7 @@ __device__ void split_cols_block(const PowerIterSplitMatrix& d, int64_t i, int64
     __syncthreads();  // col_part free for the next tile
   }
   if (!arrive_last(d.counts + d.n_i + j, d.n_i, flag)) return;
-  float sum_sq = 0.0f;
-  for (int64_t c = c_lo + threadIdx.x; c < c_hi; c += kThreads) {
-    float acc = 0.0f;
-    for (int64_t ii = 0; ii < d.n_i; ++ii) acc += __ldcg(d.part + ii * n + c);
-    d.u[c] = acc;
-    sum_sq = fmaf(acc, acc, sum_sq);
-  }
-  sum_sq = block_sum(sum_sq, scratch);
+  const float sum_sq = sum_partials(d.part, n, d.n_i, d.u, c_lo, c_hi, scratch);
   if (threadIdx.x == 0) {
     d.sq[j] = sum_sq;
     d.counts[d.n_i + j] = 0;
