@@ -1,4 +1,4 @@
-# fastdp: make demo (train private models, print accuracy and epsilon), make test (the suite),
+# fastdp: make demo (train private models, print accuracy and epsilon), make test (the suite), make docs (the site),
 # make bench (every benchmark in bench/, results appended to bench/results/), make lint.
 # The venv is created on first use; torch is pinned to the local CPU wheel
 # (an unpinned torch pulls several GB of CUDA packages).
@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.fastdp-installed
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/include/fastdp/*.h)
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test docs lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: install
 # pytest's non-zero exits (5: no tests ran) fail the target as they should.
 test: install
 	FASTDP_REQUIRE_EXT=1 $(BIN)/python -m pytest tests
+
+# The documentation site (Sphinx + MyST, docs/): HTML in docs/_build/html, every warning an error.
+docs: install
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

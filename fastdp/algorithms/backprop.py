@@ -1,4 +1,4 @@
-"""Backpropagation clipping (papers/02, corrected): per-layer input clip C1 and upstream-gradient clip C2.
+"""Backpropagation clipping (Stevens et al. 2022, corrected): per-layer input clip C1 and upstream-gradient clip C2.
 
 One ordinary backward of the summed loss through layers converted by ``fastdp.nn.backprop.convert_backprop``;
 each parameter tensor's per-example gradient norm is <= Delta_l (C1 C2 for weights, C2 or sqrt(T) C2 for biases),

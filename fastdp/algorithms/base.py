@@ -150,8 +150,9 @@ class Variant(abc.ABC):
 
     @classmethod
     def accounting_projections(cls, config) -> float:
-        """JL projections r behind the clip factors under ``config`` (papers/03); ``math.inf`` for exact norms, i.e.
-        each step is a Gaussian mechanism. The accountant needs it: with finite r the sensitivity is random."""
+        """JL projections r behind the clip factors under ``config`` (Bu et al. 2021); ``math.inf`` for exact
+        norms, i.e. each step is a Gaussian mechanism. The accountant needs it: with finite r the sensitivity is
+        random."""
         return math.inf
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Clipless DP-SGD with a Lipschitz network (Bethune et al., "DP-SGD without clipping", papers/00).
+"""Clipless DP-SGD with a Lipschitz network (Béthune et al. 2024, "DP-SGD without clipping").
 
 No per-example work: the per-example gradient norm of every parameter tensor is bounded analytically by
 "backpropagation for bounds" (``fastdp.nn.lipschitz.lipschitz_bounds``) from the input bound X_0, the loss's
@@ -176,8 +176,8 @@ class Clipless(Variant):
 
 
 class WeightClip(Clipless):
-    """Lip-DP-SGD (Barczewski and Ramon, papers/01) with its privacy defects fixed (W1-W8): the same bound machinery
-    as clipless, on a network whose layers keep ||W_k||_2 <= C by rescaling only when above C (model
+    """Lip-DP-SGD (Barczewski and Ramon 2023) with its privacy defects fixed (W1-W8, docs/papers.md): the same
+    bound machinery as clipless, on a network whose layers keep ||W_k||_2 <= C by rescaling only when above C (model
     ``weightclip_mlp``). Sensitivities come from data-independent bounds (inputs projected onto the X_0 ball, bias
     norms added, downstream constants only, eq. 14), the sum is divided by the expected batch size, and per-layer
     noise is accounted with its effective multiplier."""

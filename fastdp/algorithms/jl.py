@@ -1,4 +1,4 @@
-"""DP-SGD-JL (Bu et al. 2021, papers/03): per-example norms estimated from r Johnson-Lindenstrauss projections.
+"""DP-SGD-JL (Bu et al. 2021): per-example norms estimated from r Johnson-Lindenstrauss projections.
 
 One step, for the batch B (Poisson-sampled with rate q from N examples), with g_i the gradient of example i's loss:
     v_1..v_r ~ N(0, I_d)                       fresh each step, shared by the batch, independent of the data
@@ -36,7 +36,7 @@ stored r x d, never reused across steps.
 
 Privacy. w_i g_i can exceed C when M_i under-estimates ||g_i||, so a step is not a Gaussian mechanism with
 sensitivity C: it is dominated by a Gaussian mechanism whose sensitivity Z_r = (chi2_r / r)^(-1/2) is random and
-revealed (papers/03 Thm B.7). The accountant is the PLD of that mixture (``fastdp.privacy.jl``); RDP cannot account
+revealed (Bu et al. 2021 Thm B.7). The accountant is the PLD of that mixture (``fastdp.privacy.jl``); RDP cannot account
 it (its privacy loss has moments only below r/2) and is refused. DP-Adam-JL is this gradient fed to Adam (the
 trainer's ``--optimizer adam``; torch's Adam, whose second-moment bias correction uses beta2 -- the paper's
 Algorithm 2 misprints beta1 there).

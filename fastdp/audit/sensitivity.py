@@ -15,7 +15,7 @@ to a batch that already holds 8 copies of it (many copies of an extreme example:
 a batch of examples along one fixed direction (aligned gradients) plus one more; and ordinary examples removed.
 
 DP-SGD-JL claims no fixed bound: its clip factors come from r random projections, so one example can move the
-update by C ||g|| / M, M = sqrt(mean_j <g, v_j>^2) its norm estimate, and the accountant (papers/03 Thm B.7)
+update by C ||g|| / M, M = sqrt(mean_j <g, v_j>^2) its norm estimate, and the accountant (Bu et al. 2021 Thm B.7)
 assumes M / ||g|| ~ sqrt(chi2_r / r) for tangents v_j ~ N(0, I) drawn independently of the data. The audit
 checks both: the change against C max(||g|| / M, z_floor) (z_floor: the smallest factor the accountant credits),
 with g the example's exact gradient (``torch.func``) and M recomputed from the step's tangents, or the change's

@@ -5,7 +5,7 @@ data-set size N and sample rate q (expected batch b = qN), noise seed, dtype. Cl
 Models are MLPs on FEATURES inputs and CLASSES classes: three Linear layers (ReLU, Tanh) for the clipping
 variants, the zoo's ``lipschitz_mlp`` / ``weightclip_mlp`` (input bound X_0 = 4) for the Lipschitz ones.
 
-:class:`DoubleDividedBackpropClip` reproduces the backprop-clipping paper's published bug (papers/02: the
+:class:`DoubleDividedBackpropClip` reproduces the backprop-clipping paper's published bug (Stevens et al. 2022: the
 sensitivity divided by the batch size b, and the sum divided by b again, so the noise is b times too small while
 the accountant is told the full sigma). It exists to show that the audits catch it; never train with it.
 """
@@ -45,7 +45,7 @@ BROKEN_DESCRIPTION = "backprop clipping with the paper's bug (noise divided by b
 
 
 class DoubleDividedBackpropClip(BackpropClip):
-    """Backprop clipping with the published noise-scale bug (papers/02): the noise std on the sum is
+    """Backprop clipping with the published noise-scale bug (Stevens et al. 2022): the noise std on the sum is
     sigma sqrt(N) Delta_l / b instead of sigma sqrt(N) Delta_l, and the noisy sum is then divided by b = qN as
     usual, so the noise on the mean is b times smaller than the (unchanged) accounting event claims.
     Deliberately broken, for the audit's self-test only."""

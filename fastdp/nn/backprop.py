@@ -1,4 +1,4 @@
-"""Backpropagation clipping (Stevens et al. 2022, papers/02, with the published noise-scale bug fixed).
+"""Backpropagation clipping (Stevens et al. 2022, with the published noise-scale bug fixed).
 
 Every trainable layer clips each example's *input* to norm C1 in the forward pass and each example's *upstream
 gradient* (w.r.t. the layer output) to C2 in the backward pass. Then, per example:

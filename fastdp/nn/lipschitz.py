@@ -1,4 +1,4 @@
-"""Lipschitz layers, losses and "backpropagation for bounds" (papers/00, Algorithm 1) for clipless DP training.
+"""Lipschitz layers, losses and "backpropagation for bounds" (Béthune et al. 2024, Alg. 1) for clipless DP.
 
 Every layer here has bound rules, evaluated on the current (already private) weights:
 
@@ -208,13 +208,15 @@ class LipschitzLinear(LipschitzModule):
     """y = x W^T (+ b), with the spectral norm of W kept in check by the projection after each step:
 
     * ``"orthogonal"`` (clipless, GNP): spectral normalisation then Bjorck, all singular values -> ``max_norm``;
-    * ``"clip"`` (Lip-DP-SGD, papers/01): W <- W min(1, C / ||W||_2), i.e. rescaled only when above C = ``max_norm``
+    * ``"clip"`` (Lip-DP-SGD, Barczewski and Ramon 2023): W <- W min(1, C / ||W||_2), i.e. rescaled only when
+      above C = ``max_norm``
       (the projection onto the spectral ball, a convex set);
     * ``"fixed"`` (Fix-Lip-DP-SGD): always rescaled to ||W||_2 = C.
 
     Inputs [B, d], or token-wise [B, ..., d] without bias. Rules (l = certified ||W||_2 of the current weights):
     ||y|| <= l ||x|| + ||b||; ||dL/dx|| <= l g; per-example ||dL/dW||_F <= g ||x|| (token-wise too:
-    ||sum_t g_t x_t^T||_F <= ||g|| ||x||) and ||dL/db|| <= g — together g sqrt(||x||^2 + 1) (papers/01, W8).
+    ||sum_t g_t x_t^T||_F <= ||g|| ||x||) and ||dL/db|| <= g — together g sqrt(||x||^2 + 1)
+    (Barczewski and Ramon 2023, W8).
     """
 
     def __init__(
@@ -282,8 +284,9 @@ class LipschitzConv2d(LipschitzModule):
 
     Rules, with m = the most patches one input pixel can belong to (ceil(kh/sh) ceil(kw/sw), or kh kw with
     dilation) and ||M||_2 the certified spectral norm of the kernel matrix: ||y|| <= sqrt(m) ||M||_2 ||x|| (also
-    the input-gradient factor), per-example ||dL/dW||_F <= sqrt(m) ||x|| g (papers/00 Property 3; papers/01 eq. 6).
-    For 3x3, stride 1 this gives coef * 3 = 1.021 on 32x32, not the 1 that deel-lip assumes (pitfall P3).
+    the input-gradient factor), per-example ||dL/dW||_F <= sqrt(m) ||x|| g (Béthune et al. 2024
+    Property 3; Barczewski and Ramon 2023 eq. 6). For 3x3, stride 1 this gives coef * 3 = 1.021 on 32x32, not
+    the 1 that deel-lip assumes (pitfall P3 in docs/papers.md).
     """
 
     def __init__(
@@ -339,7 +342,7 @@ class LipschitzConv2d(LipschitzModule):
 
 class L2NormPool2d(LipschitzModule):
     """L2 norm of each non-overlapping k x k window (stride = k): norm preserving up to dropped border pixels,
-    1-Lipschitz (papers/00 ScaledL2NormPooling).
+    1-Lipschitz (Béthune et al. 2024 ScaledL2NormPooling).
 
     Each window x is divided by its largest magnitude m before squaring (||x|| = m ||x / m||: no square underflows
     or overflows, so a tiny window keeps an accurate norm, not one off by up to 40 % where x**2 is subnormal in
@@ -657,7 +660,7 @@ def _backward_bounds(model: nn.Module, x_bounds: list[Bound], g_bound: Bound) ->
 
 
 def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float = math.inf) -> dict[nn.Parameter, Bound]:
-    """Per-example gradient-norm bound Delta_l of every trainable parameter (Algorithm 1 of papers/00, for the
+    """Per-example gradient-norm bound Delta_l of every trainable parameter (Algorithm 1 of Béthune et al. 2024, for the
     summed loss: no 1/b). ``input_bound`` is X_0 unless the model starts with :class:`BoundedInput`.
 
     Bounds that depend on the weights are float64 0-d tensors on their device (computed without a host

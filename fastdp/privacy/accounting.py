@@ -18,8 +18,8 @@ Mechanisms
     All privacy math comes from ``dp-accounting``; this module only validates, records and composes events.
 
 Per-layer noise
-    :func:`effective_noise_multiplier` / :func:`per_layer_noise_multiplier` turn per-tensor noise (papers/00 §1.7)
-    into the single multiplier to pass to :meth:`PrivacyAccountant.step`.
+    :func:`effective_noise_multiplier` / :func:`per_layer_noise_multiplier` turn per-tensor noise
+    (Béthune et al. 2024 §1.7) into the single multiplier to pass to :meth:`PrivacyAccountant.step`.
 
 Bounded noise
     fastdp's Gaussian noise is a sum of 4 Box-Muller draws with bounded radius, so its support is bounded too; an
@@ -29,8 +29,8 @@ Bounded noise
 
 zCDP and GDP helpers
     :func:`zcdp_rho`, :func:`zcdp_to_epsilon`, :func:`gdp_mu` and :func:`gdp_to_epsilon` reproduce the accountants of
-    the backprop-clipping paper (papers/02) and its repository, **for reporting and comparison only**. They are
-    not used to claim fastdp's guarantee (zCDP there has no subsampling amplification; the GDP CLT is an
+    the backprop-clipping paper (Stevens et al. 2022) and its repository, **for reporting and comparison only**.
+    They are not used to claim fastdp's guarantee (zCDP there has no subsampling amplification; the GDP CLT is an
     asymptotic approximation, not an upper bound).
 """
 
@@ -266,7 +266,7 @@ class PrivacyAccountant:
                 no privacy at all (``get_epsilon`` then returns ``math.inf``).
             sample_rate: Poisson sampling probability q in [0, 1] (expected batch size / dataset size).
             num_steps: number of steps, an integer >= 0 (0 records nothing).
-            projections: JL projections r behind the steps' clip factors (DP-SGD-JL, papers/03): the step is then
+            projections: JL projections r behind the steps' clip factors (DP-SGD-JL, Bu et al. 2021): the step is then
                 dominated by a Gaussian mechanism whose sensitivity (chi2_r / r)^(-1/2) C is random
                 (``fastdp.privacy.jl``); only the ``"pld"`` mechanism can account it. ``math.inf``: exact norms.
         """
@@ -543,7 +543,7 @@ def solve_noise_multiplier(
 
 
 def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
-    """Single noise multiplier equivalent to per-layer Gaussian noise released together (papers/00 §1.7).
+    """Single noise multiplier equivalent to per-layer Gaussian noise released together (Béthune et al. 2024 §1.7).
 
     Layer l releases a sum with add/remove L2 sensitivity Delta_l plus noise ``N(0, (sigma_l * Delta_l)^2 I)``.
     Whitening each layer by its noise std turns the joint release into one isotropic Gaussian mechanism with
@@ -635,7 +635,7 @@ def _truncation_beta(shift: float, pairs: int) -> float:
 @functools.lru_cache(maxsize=64)
 def _truncation_beta_jl(sigma: float, r: float, pairs: int) -> float:
     """Per-step bound for DP-SGD-JL: the shift is max(1, Z) / sigma with Z = (chi2_r / r)^(-1/2) (the clip factor's
-    overshoot, papers/03), random per step. Z is rounded up to the top of geometric bins between 1 and
+    overshoot, Bu et al. 2021), random per step. Z is rounded up to the top of geometric bins between 1 and
     (2R - 1) sigma (the bound grows with the shift), and Z above that counts as an impossible output (bound 1)."""
     from scipy import stats
 
@@ -691,14 +691,14 @@ def truncation_delta(noise_multiplier: float, steps: int, num_coordinates: int, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# zCDP and GDP (reporting / comparison with papers/02 only)
+# zCDP and GDP (reporting / comparison with Stevens et al. 2022 only)
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def zcdp_rho(noise_multiplier: float, steps: int) -> float:
     """rho of ``steps`` Gaussian mechanisms in zero-concentrated DP: ``rho = steps / (2 sigma^2)``.
 
-    This is the **paper's** accountant in papers/02 (Bun & Steinke Prop. 1.3; Theorem 1): a Gaussian with
+    This is the **paper's** accountant in Stevens et al. 2022 (Bun & Steinke Prop. 1.3; Theorem 1): a Gaussian with
     add/remove sensitivity Delta and noise std sigma * Delta is 1/(2 sigma^2)-zCDP, and zCDP composes additively.
     **No subsampling amplification**: the paper uses disjoint batches and parallel composition, so its
     ``steps`` is epochs x noised tensors (E * N), not the number of batches. For reporting only.
@@ -719,8 +719,8 @@ def zcdp_rho(noise_multiplier: float, steps: int) -> float:
 def zcdp_to_epsilon(rho: float, delta: float) -> float:
     """(epsilon, delta)-DP implied by rho-zCDP: ``epsilon = rho + 2 sqrt(rho log(1/delta))``.
 
-    The conversion used by the backprop-clipping **paper** (papers/02 Prop. 1; Bun & Steinke Prop. 1.3) and its
-    original repository's ``zcdp_eps``. For reporting only.
+    The conversion used by the backprop-clipping **paper** (Stevens et al. 2022 Prop. 1; Bun & Steinke Prop. 1.3) and
+    its original repository's ``zcdp_eps``. For reporting only.
 
     Args:
         rho: zCDP parameter >= 0.
@@ -738,7 +738,7 @@ def zcdp_to_epsilon(rho: float, delta: float) -> float:
 def gdp_mu(noise_multiplier: float, sample_rate: float, steps: int) -> float:
     """mu of Poisson-subsampled Gaussian DP-SGD by the central limit theorem of f-DP (Bu et al. 2020, Dong et al.).
 
-    ``mu = q sqrt(steps (exp(sigma^-2) - 1))``. This is the **corrected repository's** accountant in papers/02
+    ``mu = q sqrt(steps (exp(sigma^-2) - 1))``. This is the **corrected repository's** accountant in Stevens et al. 2022
     (commit 9c99855, adapted from Opacus), where ``steps`` counts batches x epochs x noised parameter tensors.
     An asymptotic approximation, not an upper bound: for reporting only.
 
@@ -765,8 +765,8 @@ def gdp_to_epsilon(mu: float, delta: float) -> float:
     """Epsilon of mu-GDP at ``delta``: the root of ``delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)``.
 
     mu-GDP (Dong, Roth & Su) is (eps, delta(eps))-DP for every eps >= 0 with the delta(eps) above, which
-    decreases in eps; this solves it by Brent's method, as the corrected papers/02 repository does. Returns 0.0
-    when ``delta >= delta(0) = 2 Phi(mu/2) - 1``. For reporting only.
+    decreases in eps; this solves it by Brent's method, as the corrected Stevens et al. 2022 repository does.
+    Returns 0.0 when ``delta >= delta(0) = 2 Phi(mu/2) - 1``. For reporting only.
 
     Args:
         mu: GDP parameter >= 0.

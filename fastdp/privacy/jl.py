@@ -1,11 +1,11 @@
-"""Privacy accounting for DP-SGD-JL (per-example norms estimated from r JL projections; papers/03 §2.3, App. B).
+"""Privacy accounting for DP-SGD-JL (per-example norms estimated from r JL projections; Bu et al. 2021 §2.3, App. B).
 
 What is accounted
-    One step of DP-SGD-JL (papers/03 Alg. 1/4) with r Gaussian projections ``v_1..v_r`` shared by the batch, clip
+    One step of DP-SGD-JL (Bu et al. 2021 Alg. 1/4) with r Gaussian projections ``v_1..v_r`` shared by the batch, clip
     norm C, noise std ``noise_multiplier * C`` (sigma * C) on the **sum** of the re-weighted per-example gradients,
     Poisson sampling with rate q, **add/remove-one** adjacency. The clip factor ``min(1, C / M_0)`` of the added or
     removed example uses the JL estimate ``M_0 = ||g_0|| sqrt(chi2_r / r)``, so its contribution can exceed C.
-    Theorem B.7 (papers/03) dominates the step by the pair
+    Theorem B.7 (Bu et al. 2021) dominates the step by the pair
 
         (Z, N(Z, sigma^2))  vs  (Z, N(0, sigma^2)),        Z = Z_r = 1 / sqrt(chi2_r / r),
 
@@ -26,7 +26,7 @@ What is *not* the JL mechanism
     Using it would **under-report epsilon**; this module never does.
 
 Why no RDP
-    The JL privacy loss has moments only of order below r / 2 (papers/03 §2.1: ``delta(eps) ~ eps^(-r/2)``), so
+    The JL privacy loss has moments only of order below r / 2 (Bu et al. 2021 §2.1: ``delta(eps) ~ eps^(-r/2)``), so
     Renyi DP of the step is infinite at every order worth using; :func:`check_jl_mechanism` refuses ``"rdp"``.
 
 How the upper bound is built (every approximation below is pessimistic)
@@ -114,12 +114,12 @@ def check_jl_mechanism(mechanism: Any) -> str:
     """Return ``"pld"`` if ``mechanism`` can account DP-SGD-JL; ``ValueError`` otherwise.
 
     Only privacy loss distributions can: the JL step's privacy loss has moments only of order below r / 2
-    (papers/03 §2.1), so RDP (and the moments accountant) cannot bound it, and a Gaussian RDP accountant with the
+    (Bu et al. 2021 §2.1), so RDP (and the moments accountant) cannot bound it, and a Gaussian RDP accountant with the
     same sigma under-reports epsilon.
     """
     if mechanism == "rdp":
         raise ValueError(
-            "RDP cannot account DP-SGD-JL: its privacy loss has only moments below r/2 (papers/03 §2.1), so Renyi "
+            "RDP cannot account DP-SGD-JL: its privacy loss has only moments below r/2 (Bu et al. 2021 §2.1), so Renyi "
             "DP does not bound it and a Gaussian RDP accountant under-reports epsilon; use 'pld'"
         )
     if mechanism != "pld":

@@ -3,7 +3,7 @@
 Norms of a row x_b (one example, all entries of ``x[b]``):
 
 * ``"l2"``: ``||x_b|| = sqrt(sum_i x_bi^2)`` over all of the example's entries (any shape [B, ...]);
-* ``"l15"`` (conv tensors [B, C, ...], backpropagation clipping, papers/02):
+* ``"l15"`` (conv tensors [B, C, ...], backpropagation clipping, Stevens et al. 2022):
   ``||x_b||_15 = sqrt(sum_c (sum_p |x_bcp|)^2)``, the L2 norm over channels c of the L1 norms over positions p.
 
 Clip (``clip_rows``): ``y_b = s_b x_b`` with ``s_b = min(1, C / max(n_b, TINY))``, ``n_b`` the row's norm and C

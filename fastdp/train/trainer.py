@@ -170,7 +170,7 @@ class TrainConfig:
         if self.variant == "jl" and self.accountant == "rdp":
             raise ValueError(
                 "variant jl needs --accountant pld: with JL-estimated norms a step's sensitivity is random, its "
-                "privacy loss has moments only below r/2, and RDP cannot account it (papers/03 §2.1)"
+                "privacy loss has moments only below r/2, and RDP cannot account it (Bu et al. 2021 §2.1)"
             )
         if isinstance(self.projections, bool) or not isinstance(self.projections, int) or self.projections < 1:
             raise ValueError(f"projections (JL dimension r) must be an integer >= 1, got {self.projections!r}")
