@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fastdp.train.cli import format_table, main
+from fastdp.train.cli import main
 from fastdp.train.trainer import TrainConfig, Trainer, train
 
 # a reproducible privacy seed (NOT FOR RELEASE) keeps the learning thresholds below deterministic; the default (OS
@@ -144,13 +144,6 @@ def test_cli_help_explains_units(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for phrase in ("EXPECTED batch size", "sigma * C", "add/remove-one", "NOT a proven guarantee"):
         assert phrase in text
-
-
-def test_format_table():
-    rows = [{"variant": "dpsgd", "epsilon": 1.0, "delta": 1e-5, "variant_config": {"noise_multiplier": 2.0},
-             "test_accuracy": 0.9, "test_auroc": 0.95, "steps": 10, "train_seconds": 1.0}]  # fmt: skip
-    table = format_table(rows)
-    assert "dpsgd" in table and "1.00" in table and "0.9500" in table
 
 
 def test_non_finite_parameters_stop_the_run_before_a_result():
