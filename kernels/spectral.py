@@ -164,6 +164,7 @@ def _split_step_kernel(
     meta_ptr,  # int64 [L, SPLIT_META]: w, u, v offsets, m, n, RM, RN, n_i, n_j, part, sq, count offsets
     item_ptr,  # int32 [P, 3]: (matrix, row region i, column region j) of program p
     first,  # 1 on the first step (u is a unit vector: scale 1)
+    META: tl.constexpr,  # SPLIT_META
     EPS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -175,7 +176,7 @@ def _split_step_kernel(
     layer = tl.load(item_ptr + 3 * p).to(tl.int64)
     i = tl.load(item_ptr + 3 * p + 1).to(tl.int64)
     j = tl.load(item_ptr + 3 * p + 2).to(tl.int64)
-    meta = meta_ptr + layer * 12
+    meta = meta_ptr + layer * META
     w_base = w_ptr + tl.load(meta)
     u_base = u_ptr + tl.load(meta + 1)
     v_base = v_ptr + tl.load(meta + 2)
@@ -246,12 +247,13 @@ def _split_finish_kernel(
     sq_ptr,  # fp32 block sums of squares (``_split_step_kernel``)
     sigma_ptr,  # fp32 [L]: sigma_hat_l (written)
     meta_ptr,  # int64 [L, SPLIT_META]
+    META: tl.constexpr,  # SPLIT_META
     EPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program l: sigma_l = ||u_l||, and u_l, v_l scaled to unit vectors."""
     layer = tl.program_id(0).to(tl.int64)
-    meta = meta_ptr + layer * 12
+    meta = meta_ptr + layer * META
     u_base = u_ptr + tl.load(meta + 1)
     v_base = v_ptr + tl.load(meta + 2)
     m = tl.load(meta + 3)
@@ -293,6 +295,7 @@ def _split_plan(shapes, w_offs, u_offs, v_offs):
         rm, rn = _regions(m, n)
         n_i, n_j = triton.cdiv(m, rm), triton.cdiv(n, rn)
         meta.append([w_off, u_off, v_off, m, n, rm, rn, n_i, n_j, part, sq, count])
+        assert len(meta[-1]) == SPLIT_META
         items.extend([layer, i, j] for i in range(n_i) for j in range(n_j))
         part += max(n_j * m, n_i * n)
         sq += n_i + n_j
@@ -351,10 +354,11 @@ def power_iteration(
                 for transposed in (False, True):
                     _split_step_kernel[(len(items),)](
                         flat, u_buf, v_buf, part, sq, counts, meta, item_t, int(step == 0),
-                        EPS=EPS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TRANSPOSED=transposed, num_warps=NUM_WARPS,
+                        META=SPLIT_META, EPS=EPS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TRANSPOSED=transposed,
+                        num_warps=NUM_WARPS,
                     )  # fmt: skip
             _split_finish_kernel[(len(large),)](
-                u_buf, v_buf, sq, sigma[k:], meta, EPS=EPS, BLOCK=FINISH_BLOCK, num_warps=NUM_WARPS
+                u_buf, v_buf, sq, sigma[k:], meta, META=SPLIT_META, EPS=EPS, BLOCK=FINISH_BLOCK, num_warps=NUM_WARPS
             )
     u_split = torch.split(u_buf, ns)
     v_split = torch.split(v_buf, ms)
@@ -393,12 +397,12 @@ def hopper_compile_specs():
         (_split_step_kernel,
          {"w_ptr": ptr, "u_ptr": "*fp32", "v_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32",
           "count_ptr": "*i32", "meta_ptr": "*i64", "item_ptr": "*i32", "first": "i32"},
-         {**flags, "TRANSPOSED": transposed}, launch)
+         {**flags, "META": SPLIT_META, "TRANSPOSED": transposed}, launch)
         for ptr in ("*fp32", "*fp16", "*bf16") for transposed in (False, True)
     ]  # fmt: skip
     finish = [
         (_split_finish_kernel,
          {"u_ptr": "*fp32", "v_ptr": "*fp32", "sq_ptr": "*fp32", "sigma_ptr": "*fp32", "meta_ptr": "*i64"},
-         {"EPS": EPS, "BLOCK": FINISH_BLOCK}, launch)
+         {"META": SPLIT_META, "EPS": EPS, "BLOCK": FINISH_BLOCK}, launch)
     ]  # fmt: skip
     return one_program + split + finish
