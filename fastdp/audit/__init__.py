@@ -14,6 +14,10 @@ Three audits, for every variant (``python -m fastdp.audit`` runs them all and wr
   with the likelihood-ratio statistic, and turn the attack's TPR/FPR (Clopper–Pearson bounds) into an empirical
   lower bound on epsilon, reported beside the accountant's epsilon.
 
+Two fuzzers run beside them: the sensitivity fuzzer (:mod:`fastdp.audit.fuzz`, random architectures x adversarial
+batches) and the certified-bound fuzzer (:mod:`fastdp.audit.bounds`: the spectral-norm certificates of the Lipschitz
+variants against the float64 SVD, on adversarial matrices and during projected training).
+
 :class:`DoubleDividedBackpropClip` (the backprop-clipping paper's bug: noise b times too small) shows that the
 audits catch a broken variant: its noise audit fails and its empirical epsilon exceeds its claimed epsilon.
 

@@ -31,8 +31,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.nn.clip import clip_gradient, clip_rows
-from fastdp.ops import certified_spectral_norm, rko_orthonormalize, spectral_normalize_and_orthonormalize
+from fastdp.ops import (
+    certified_bjorck_step,
+    certified_norm_cholesky,
+    certified_spectral_norm,
+    certify_norm_at_most,
+    frobenius_distance_up,
+    rko_orthonormalize,
+)
 from fastdp.ops.orthogonal import lipschitz_projection
+from fastdp.ref import spectral as spectral_ref
 
 __all__ = [
     "AddBias",
@@ -202,21 +210,33 @@ class BoundedInput(LipschitzModule):
 
 
 PROJECTIONS = ("orthogonal", "clip", "fixed")
+BJORCK_BUDGET = 2**24  # multiply-adds of the automatic Björck steps per projection of one LipschitzLinear
 
 
 class LipschitzLinear(LipschitzModule):
     """y = x W^T (+ b), with the spectral norm of W kept in check by the projection after each step:
 
-    * ``"orthogonal"`` (clipless, GNP): spectral normalisation then Bjorck, all singular values -> ``max_norm``;
+    * ``"orthogonal"`` (clipless, GNP): ``bjorck_steps`` certified Björck steps towards singular values
+      ``max_norm`` (``fastdp.ops.certified_bjorck_step``). Each step maps singular values s to roughly
+      1 - 1.5 (1 - s)^2 near 1, so one step per training step keeps W orthogonal to the square of the step's
+      change; large updates (a high learning rate on few, wide examples' noise) need more. None (the default):
+      as many as fit in :data:`BJORCK_BUDGET` multiply-adds, between 1 and deel-lip's 15 — 15 for layers up to
+      about 100 x 100, 1 from about 256 x 256 (a step costs one float64 and one float32 n^2 m product);
     * ``"clip"`` (Lip-DP-SGD, Barczewski and Ramon 2023): W <- W min(1, C / ||W||_2), i.e. rescaled only when
-      above C = ``max_norm``
-      (the projection onto the spectral ball, a convex set);
+      above C = ``max_norm`` (the projection onto the spectral ball, a convex set);
     * ``"fixed"`` (Fix-Lip-DP-SGD): always rescaled to ||W||_2 = C.
 
     Inputs [B, d], or token-wise [B, ..., d] without bias. Rules (l = certified ||W||_2 of the current weights):
     ||y|| <= l ||x|| + ||b||; ||dL/dx|| <= l g; per-example ||dL/dW||_F <= g ||x|| (token-wise too:
     ||sum_t g_t x_t^T||_F <= ||g|| ||x||) and ||dL/db|| <= g — together g sqrt(||x||^2 + 1)
     (Barczewski and Ramon 2023, W8).
+
+    The certified l is carried across steps (:meth:`lipschitz`): each projection certifies the weights it leaves
+    (the Björck step's own certificate; the rescaling's from a Cholesky-checked Lanczos estimate), and the bound of
+    the current weights is that certificate plus ||W - W_certified||_F, which is 0 unless something changed the
+    weights since (then it is still an upper bound: ||W + D||_2 <= ||W||_2 + ||D||_F). Without a certificate that
+    fits (first use, another dtype or device) l is the Gram-iteration bound. Both cost one float64 Gram product
+    per step instead of the Gram iteration's 12.
     """
 
     def __init__(
@@ -226,28 +246,80 @@ class LipschitzLinear(LipschitzModule):
         bias: bool = False,
         projection: str = "orthogonal",
         max_norm: float = 1.0,
+        bjorck_steps: int | None = None,
     ) -> None:
         super().__init__()
         if projection not in PROJECTIONS:
             raise ValueError(f"unknown projection {projection!r}; choose one of {', '.join(PROJECTIONS)}")
         if not (math.isfinite(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm must be finite and > 0, got {max_norm}")
+        if bjorck_steps is not None and (isinstance(bjorck_steps, bool) or not isinstance(bjorck_steps, int)
+                                         or not 1 <= bjorck_steps <= 100):  # fmt: skip
+            raise ValueError(f"bjorck_steps must be None (automatic) or an int in [1, 100], got {bjorck_steps!r}")
+        n, m = sorted((in_features, out_features))
+        self.bjorck_steps = bjorck_steps or max(1, min(15, BJORCK_BUDGET // max(1, n * n * m)))
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         nn.init.orthogonal_(self.weight, gain=max_norm if projection != "clip" else 1.0)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.projection = projection
         self.max_norm = float(max_norm)
-        self.register_buffer("_u", torch.ones(in_features) / math.sqrt(in_features), persistent=True)
+        # (a copy of the weights, a certified float64 bound on their spectral norm): a plain attribute, not a buffer,
+        # so that no dtype conversion can round the bound down or the copy differently from the weights
+        self._certificate: tuple[torch.Tensor, torch.Tensor] | None = None
+        # saved with the weights (resumed runs continue bit for bit), trusted on load only once a Cholesky check
+        # proves the bound for the loaded weights (a tampered state dict cannot lower the noise); -1: none
+        self.register_buffer("_certified_norm", torch.tensor(-1.0, dtype=torch.float64))
+        # warm start of the Cholesky-checked estimate (clip, fixed); any vector is safe, the check certifies
+        self.register_buffer("_lanczos", torch.zeros(min(in_features, out_features), dtype=torch.float64))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        state_dict.pop(prefix + "_u", None)  # the power-iteration vector of earlier checkpoints, now unused
+        for name in ("_certified_norm", "_lanczos"):  # earlier checkpoints have no certificate: none, a cold start
+            state_dict.setdefault(prefix + name, getattr(self, name).new_full(getattr(self, name).shape, -1.0))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._certificate = None
+        bound = self._certified_norm
+        if bound.dtype == torch.float64 and bool(certify_norm_at_most(self.weight.detach(), bound)):
+            self._certificate = (self.weight.detach().clone(), bound.clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None and x.dim() != 2:
             raise ValueError(f"LipschitzLinear with bias takes [B, d] inputs, got shape {tuple(x.shape)}")
         return F.linear(x, self.weight, self.bias)
 
+    def _certify(self, bound: torch.Tensor) -> None:
+        """Record ``bound`` (float64, >= ||W||_2) as the certificate of the current weights."""
+        self._certificate = (self.weight.detach().clone(), bound.to(torch.float64))
+        if self._certified_norm.device == bound.device:
+            self._certified_norm.copy_(bound)
+
+    def _carried(self) -> torch.Tensor | None:
+        """The certificate plus ||W - W_certified||_F (float64 0-d), or None where no certificate fits W."""
+        if self._certificate is None:
+            return None
+        snapshot, bound = self._certificate
+        w = self.weight.detach()
+        if snapshot.shape != w.shape or snapshot.dtype != w.dtype or snapshot.device != w.device:
+            return None
+        return add_up(bound, frobenius_distance_up(w, snapshot))
+
+    def _gram_bound(self) -> torch.Tensor:
+        return certified_spectral_norm(self.weight.detach(), iters=CERTIFY_ITERS).to(torch.float64)
+
     def lipschitz(self) -> torch.Tensor:
-        """Certified ||W||_2 of the current weights (0-d tensor). 12 Gram iterations: the bound exceeds sigma_max
-        by at most a factor rank^(1/2^13) (1.0008 for rank 512)."""
-        return _certified(self, lambda: certified_spectral_norm(self.weight.detach(), iters=CERTIFY_ITERS))
+        """Certified ||W||_2 of the current weights (float64 0-d tensor): the carried certificate (class docstring),
+        else 12 Gram iterations (the bound exceeds sigma_max by at most a factor rank^(1/2^13), 1.0008 for rank 512),
+        which then become the certificate."""
+
+        def compute() -> torch.Tensor:
+            carried = self._carried()
+            if carried is not None:
+                return carried
+            bound = self._gram_bound()
+            self._certify(bound)
+            return bound
+
+        return _certified(self, compute)
 
     def _bias_norm(self) -> Bound:
         return 0.0 if self.bias is None else norm_up(self.bias)
@@ -266,16 +338,30 @@ class LipschitzLinear(LipschitzModule):
 
     @torch.no_grad()
     def project_(self) -> None:
+        w = self.weight.detach()
         if self.projection == "orthogonal":
-            (w,), (u,) = spectral_normalize_and_orthonormalize([self.weight], [self._u])
-            self.weight.copy_(w * self.max_norm)
-            self._u.copy_(u)
+            for _ in range(self.bjorck_steps):  # each step certifies its own output, from any start
+                w, bound = certified_bjorck_step(w, self.max_norm)
+            self.weight.copy_(w)
+            self._certify(bound)
             return
-        norm = self.lipschitz()
-        scale = self.max_norm / norm  # certified: after rescaling, ||W||_2 <= C (up to the rounding of W * scale)
+        # a certified norm for one float64 Gram product: the Cholesky-checked estimate, else (it failed: +inf) the
+        # carried certificate, or the Gram iteration where there is none (the first step)
+        checked, vector = certified_norm_cholesky(w, self._lanczos)
+        self._lanczos.copy_(vector)
+        carried = self._carried()
+        norm = torch.minimum(checked, carried if carried is not None else self._gram_bound())
+        scale = self.max_norm / norm
         scale = torch.where(norm > 0, scale, torch.ones_like(scale))  # a zero matrix stays 0 (not 0 * inf = NaN)
         # "clip" rescales only when above C (a factor of exactly 1 otherwise); decided on the device, no sync
-        self.weight.mul_(scale if self.projection == "fixed" else scale.clamp(max=1.0))
+        factor = (scale if self.projection == "fixed" else scale.clamp(max=1.0)).to(w.dtype)
+        self.weight.mul_(factor)
+        # ||fl(f W)||_2 <= f ||W||_2 + ||E||_F, one rounding per entry: |E| <= u |f W| <= u / (1 - u) |fl(f W)|, or
+        # eta where it underflows; the weights now hold fl(f W)
+        f64 = factor.to(torch.float64)
+        u, eta = spectral_ref._unit(w.dtype)
+        rounding = add_up(mul_up(u / (1 - u) * (1 + 2.0**-50), norm_up(self.weight)), math.sqrt(w.numel()) * eta)
+        self._certify(torch.where(factor == 1, norm, add_up(mul_up(f64, norm), rounding)))
 
 
 class LipschitzConv2d(LipschitzModule):
@@ -591,6 +677,8 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 _RULES = (
     "fastdp.nn.lipschitz: BoundedInput, LipschitzLinear, LipschitzConv2d, AddBias, GroupSort2, L2NormPool2d, "
     "LayerCentering, Transpose, Residual, ClipGradient; plus Flatten, Identity, ReLU"
+    "; fastdp.nn.lipdp: MaxPool2d, GlobalL2NormPool2d, GroupSort, ChannelGroupSort2, ToPatches"
+    "; fastdp.nn.weightclip: WeightClipConv2d, LipschitzGroupNorm, ResidualSum, LipschitzSigmoid, LipschitzTanh"
 )
 
 
@@ -659,9 +747,13 @@ def _backward_bounds(model: nn.Module, x_bounds: list[Bound], g_bound: Bound) ->
     return sensitivities, g_bound
 
 
-def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float = math.inf) -> dict[nn.Parameter, Bound]:
+def lipschitz_bounds(
+    model: nn.Module, loss: LipschitzLoss, input_bound: float = math.inf, output_gradient_bound: Bound | None = None
+) -> dict[nn.Parameter, Bound]:
     """Per-example gradient-norm bound Delta_l of every trainable parameter (Algorithm 1 of Béthune et al. 2024, for the
-    summed loss: no 1/b). ``input_bound`` is X_0 unless the model starts with :class:`BoundedInput`.
+    summed loss: no 1/b). ``input_bound`` is X_0 unless the model starts with :class:`BoundedInput`;
+    ``output_gradient_bound`` C, where each example's loss gradient w.r.t. the model output is clipped to C, makes
+    the start of the backward walk min(L, C) instead of the loss's constant L.
 
     Bounds that depend on the weights are float64 0-d tensors on their device (computed without a host
     synchronisation; each layer's certified norm once per call), the others floats; all are rounded up. Raises
@@ -678,7 +770,8 @@ def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float =
         )
     _bounds_pass.memo = {}
     try:
-        sensitivities, _ = _backward_bounds(model, _forward_bounds(model, float(input_bound)), loss.lipschitz)
+        start = loss.lipschitz if output_gradient_bound is None else _minimum(loss.lipschitz, output_gradient_bound)
+        sensitivities, _ = _backward_bounds(model, _forward_bounds(model, float(input_bound)), start)
     finally:
         _bounds_pass.memo = None
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -691,22 +784,16 @@ def lipschitz_bounds(model: nn.Module, loss: LipschitzLoss, input_bound: float =
 
 
 def _batchable(module: nn.Module) -> bool:
-    """Whether ``module.project_`` is the deel-lip projection or RKO that :func:`project_` can batch."""
-    if isinstance(module, LipschitzLinear):
-        return type(module).project_ is LipschitzLinear.project_ and module.projection == "orthogonal"
+    """Whether ``module.project_`` is the RKO projection that :func:`project_` can batch."""
     return isinstance(module, LipschitzConv2d) and type(module).project_ is LipschitzConv2d.project_
 
 
 @torch.no_grad()
-def _project_batched_(dense: list[LipschitzLinear], convs: list[LipschitzConv2d]) -> None:
-    """``project_`` of these layers (on one device) with one Björck call over all their matrices."""
-    ws, us, kernels = lipschitz_projection(
-        [m.weight for m in dense], [m._u for m in dense], [c.weight for c in convs],
-        [c.input_hw for c in convs], [(c.stride, c.stride) for c in convs],
-    )  # fmt: skip
-    for m, w, u in zip(dense, ws, us, strict=True):
-        m.weight.copy_(w * m.max_norm)
-        m._u.copy_(u)
+def _project_batched_(convs: list[LipschitzConv2d]) -> None:
+    """``project_`` of these conv layers (on one device) with one Björck call over all their kernel matrices."""
+    _, _, kernels = lipschitz_projection(
+        [], [], [c.weight for c in convs], [c.input_hw for c in convs], [(c.stride, c.stride) for c in convs]
+    )
     for c, k in zip(convs, kernels, strict=True):
         c.weight.copy_(k)
 
@@ -714,11 +801,11 @@ def _project_batched_(dense: list[LipschitzLinear], convs: list[LipschitzConv2d]
 def project_(model: nn.Module) -> None:
     """Apply every layer's projection Pi (after an optimizer step; post-processing, free in privacy).
 
-    The orthogonal projections of all ``LipschitzLinear`` (projection ``"orthogonal"``) and
-    ``LipschitzConv2d`` layers run together, one power-iteration and one Björck call per device for
-    the whole model (``fastdp.ops.orthogonal.lipschitz_projection``); the results are those of
-    each layer's own ``project_``. Other layers, and all layers when these share a weight with
-    another layer, project one by one.
+    The RKO projections of all ``LipschitzConv2d`` layers run together, one Björck call per device
+    for the whole model (``fastdp.ops.orthogonal.lipschitz_projection``); the results are those of
+    each layer's own ``project_``. Other layers (``LipschitzLinear``'s certified Björck step or
+    rescaling among them), and all layers when the convs share a weight with another layer,
+    project one by one.
     """
     modules = [m for m in model.modules() if isinstance(m, LipschitzModule) and m is not model]
     if isinstance(model, LipschitzModule):
@@ -734,7 +821,4 @@ def project_(model: nn.Module) -> None:
             module.project_()
     for device in dict.fromkeys(m.weight.device for m in batched):
         on_device = [m for m in batched if m.weight.device == device]
-        _project_batched_(
-            [m for m in on_device if isinstance(m, LipschitzLinear)],
-            [m for m in on_device if isinstance(m, LipschitzConv2d)],
-        )
+        _project_batched_(on_device)

@@ -13,14 +13,18 @@ from fastdp.ops.norms import (
 )
 from fastdp.ops.orthogonal import (
     bjorck_orthonormalize,
+    certified_bjorck_step,
     conv_lip_factor,
     rko_orthonormalize,
     spectral_normalize_and_orthonormalize,
 )
 from fastdp.ops.spectral import (
+    certified_norm_cholesky,
     certified_spectral_norm,
     certified_spectral_norms,
+    certify_norm_at_most,
     conv_operator_norm,
+    frobenius_distance_up,
     power_iteration,
 )
 
@@ -28,6 +32,9 @@ __all__ = [
     "OptimizerUpdate",
     "add_noise_",
     "bjorck_orthonormalize",
+    "certified_bjorck_step",
+    "certified_norm_cholesky",
+    "certify_norm_at_most",
     "certified_conv_ghost_norm_sq",
     "certified_ghost_norm_sq",
     "certified_projections",
@@ -39,6 +46,7 @@ __all__ = [
     "clip_rows",
     "conv_lip_factor",
     "conv_operator_norm",
+    "frobenius_distance_up",
     "ghost_norm_sq",
     "noisy_sgd_step_",
     "release_",

@@ -36,10 +36,13 @@ from fastdp import _backend, _ext
 from fastdp.ref import spectral as ref
 
 __all__ = [
+    "certified_norm_cholesky",
+    "certify_norm_at_most",
     "certified_spectral_norm",
     "certified_spectral_norms",
     "conv_operator_norm",
     "deferred_finite_checks",
+    "frobenius_distance_up",
     "power_iteration",
 ]
 
@@ -255,6 +258,53 @@ def certified_spectral_norms(weights: list[torch.Tensor], iters: int = 6) -> tor
     _check_finite(op, list(weights), "weights")
     with torch.no_grad():
         return ref.certified_spectral_norms([w.detach() for w in weights], iters)
+
+
+def certified_norm_cholesky(
+    w: torch.Tensor, vector: torch.Tensor | None = None, steps: int = ref.LANCZOS_STEPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A certified upper bound on sigma_max(w) for about one float64 Gram product: a warm Lanczos estimate
+    checked by a Cholesky factorisation (``fastdp.ref.spectral.certified_norm_cholesky``).
+
+    The bound is +inf when the check fails (the estimate was more than 2**-9 too low, e.g. a cold start on a matrix
+    whose top singular values are close) or w has a NaN or Inf: take the minimum with another certified bound
+    (``fastdp.nn.lipschitz`` carries one across training steps). Never below sigma_max(w).
+
+    Args:
+        w: non-empty 2-D matrix (float32, float16, bfloat16 or float64).
+        vector: the vector this op returned for the previous weights (warm start), or None (cold start).
+        steps: Lanczos steps before the check, >= 1.
+
+    Returns:
+        ``(bound, vector)``: float64 0-d bound on w's device, float64 unit vector [min(w.shape)].
+    """
+    op = "certified_norm_cholesky"
+    _check_matrix(op, "w", w)
+    _check_iters(op, "steps", steps)
+    with torch.no_grad():
+        return ref.certified_norm_cholesky(w.detach(), vector, steps)
+
+
+def certify_norm_at_most(w: torch.Tensor, bound: torch.Tensor | float) -> torch.Tensor:
+    """Whether a float64 Cholesky check proves sigma_max(w) <= ``bound`` (bool 0-d tensor on w's device; False when
+    it cannot: a bound below the norm, or above it by less than the check's own rounding (about (n + m) n 2**-51
+    relative); NaN or Inf anywhere). For certificates that come from outside, e.g. a loaded state dict
+    (``fastdp.nn.lipschitz.LipschitzLinear``)."""
+    _check_matrix("certify_norm_at_most", "w", w)
+    bound = torch.as_tensor(bound, dtype=torch.float64, device=w.device)
+    with torch.no_grad():
+        return ref.certify_norm_at_most(w.detach(), bound)
+
+
+def frobenius_distance_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A certified upper bound on ||a - b||_F (float64 0-d; exactly 0 for equal tensors, +inf for NaN/Inf), e.g. to
+    carry a certified spectral-norm bound across a change of the weights: ||w + d||_2 <= ||w||_2 + ||d||_F."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        raise TypeError("fastdp frobenius_distance_up: a and b must be tensors")
+    if a.shape != b.shape:
+        raise ValueError(f"fastdp frobenius_distance_up: shapes differ, {tuple(a.shape)} and {tuple(b.shape)}")
+    with torch.no_grad():
+        return ref.frobenius_distance_up(a, b)
 
 
 def _pair(op: str, name: str, value) -> tuple[int, int]:

@@ -210,3 +210,201 @@ def conv_operator_norm(
         y, _ = _normalize(F.conv2d(x, w, None, stride, padding, dilation, groups))
         x, sigma = _normalize(torch.nn.grad.conv2d_input(size, w, y, stride, padding, dilation, groups))
     return sigma, x.reshape(input_shape)
+
+
+# ------------------------------------------------------------------ cheap certified bounds, carried across steps
+# Three certificates that cost one float64 Gram product or less (the Gram iteration above costs ``iters`` of them).
+# Each is assembled from exact error terms (Higham's gamma_n for sums and dot products in any order, one rounding per
+# elementwise operation, and the subnormal spacing eta where a result may underflow) by a handful of float64
+# operations, whose own rounding (each within 2**-53 relative) is covered by ``_inflate``.
+
+_U64 = 2.0**-53
+_ETA64 = 2.0**-1074  # the float64 subnormal spacing: the most an underflowing product or sum loses
+
+
+def _gamma(n: int, u: float) -> float:
+    return math.inf if n * u >= 0.5 else n * u / (1 - n * u)
+
+
+def _unit(dtype: torch.dtype) -> tuple[float, float]:
+    """(unit roundoff, subnormal spacing) of ``dtype``."""
+    info = torch.finfo(dtype)
+    return info.eps / 2, info.smallest_normal * info.eps
+
+
+def _inflate(x: torch.Tensor) -> torch.Tensor:
+    """x (float64, >= 0) times 1 + 2**-40, then the next float up: covers the float64 rounding of the fewer than
+    2**10 operations that assembled x from exact error terms (each within 2**-53 relative, all monotone)."""
+    y = x * (1.0 + 2.0**-40)
+    return torch.nextafter(y, torch.full_like(y, math.inf))
+
+
+def _sum_sq_up(x64: torch.Tensor) -> torch.Tensor:
+    """An upper bound on the sum of squares of a float64 tensor: each square within 2**-53 relative (or eta where
+    it underflows), the sum of N terms within gamma_N relative (any order)."""
+    n = x64.numel()
+    flat = x64.reshape(-1)
+    return _inflate(torch.dot(flat, flat) * (1.0 + _gamma(n + 1, _U64)) + n * _ETA64)
+
+
+def _orient(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(x, transposed): x is w or w^T, whichever has no more rows than columns (the smaller Gram side)."""
+    return (w.T, True) if w.shape[0] > w.shape[1] else (w, False)
+
+
+GRAM_BLOCK = 128  # rows per block of the symmetric Gram product: the blocks above the diagonal only, mirrored
+
+
+def _symmetric_gram(x64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, e_a): a = the float64 Gram matrix x x^T, exactly symmetric (the blocks on and above the diagonal are
+    computed, those below mirrored: (k + 1) / (2k) of the products for k blocks), and e_a >= ||a - x x^T||_2 for the
+    exact product: every entry is one dot product of length m, so |a - x x^T| <= gamma_m |x| |x|^T + 2 m eta
+    entrywise, with ||(|x| |x|^T)||_2 = |||x|||_2^2 <= ||x||_F^2; a diagonal block's own product is symmetrised
+    ((g + g^T) / 2, one more rounding of its entries)."""
+    n, m = x64.shape
+    blocks = x64.split(GRAM_BLOCK)
+    a = torch.empty(n, n, dtype=torch.float64, device=x64.device)
+    start = 0
+    for i, rows in enumerate(blocks):
+        end = start + rows.shape[0]
+        g = rows @ rows.T
+        a[start:end, start:end] = (g + g.T) * 0.5
+        other = start + rows.shape[0]
+        for cols in blocks[i + 1 :]:
+            block = rows @ cols.T
+            a[start:end, other : other + cols.shape[0]] = block
+            a[other : other + cols.shape[0], start:end] = block.T
+            other += cols.shape[0]
+        start = end
+    e_a = _gamma(m, _U64) * _sum_sq_up(x64) + _U64 * _sum_sq_up(a).sqrt() + 2.0 * m * n * _ETA64
+    return a, _inflate(e_a)
+
+
+def frobenius_distance_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A certified upper bound on ||a - b||_F for two tensors of one shape: float64 0-d, exactly 0 when a equals b
+    entry for entry, +inf when either has a NaN or Inf. No host synchronisation.
+
+    The float64 difference is within 2**-53 relative of the exact one (exact for float32 inputs in one binade), its
+    squared norm within gamma_{N+1} (plus eta per square that underflows): the bound covers both."""
+    d = a.detach().to(torch.float64).reshape(-1) - b.detach().to(torch.float64).reshape(-1)
+    if d.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=d.device)
+    ss = _sum_sq_up(d)
+    bound = _inflate(ss.sqrt() * (1.0 + _U64))
+    finite = torch.isfinite(bound)
+    bound = torch.where(d.abs().amax() == 0, torch.zeros_like(bound), bound)
+    return torch.where(finite, bound, torch.full_like(bound, math.inf))
+
+
+CHOLESKY_MARGIN = 2.0**-9  # the certificate claims lambda_max <= (1 + margin) x the Lanczos estimate
+LANCZOS_STEPS = 16
+
+
+def _lanczos_top(a: torch.Tensor, start: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(theta, y): the largest Ritz value of a on the Krylov space of ``steps`` Lanczos steps from ``start`` (unit),
+    and its unit Ritz vector. The basis is reorthogonalised (twice) and the Ritz values are those of V a V^T itself,
+    never above lambda_max(a) up to rounding: an estimate only, the Cholesky check certifies. A direction that
+    vanishes (an invariant subspace was found) stays zero. No host synchronisation."""
+    n = a.shape[0]
+    steps = min(steps, n)
+    basis = torch.zeros(steps, n, dtype=torch.float64, device=a.device)
+    images = torch.zeros_like(basis)
+    q = start
+    for j in range(steps):
+        basis[j] = q
+        images[j] = a @ q
+        w = images[j]
+        for _ in range(2):
+            w = w - basis[: j + 1].T @ (basis[: j + 1] @ w)
+        norm = torch.linalg.vector_norm(w)
+        alive = norm > 1e-12 * torch.linalg.vector_norm(images[j]).clamp_min(1e-300)
+        q = torch.where(alive, w / norm.clamp_min(1e-300), torch.zeros_like(w))
+    h = basis @ images.T
+    h = (h + h.T) * 0.5
+    # the top eigenvector of the small h by repeated squaring (h^256 applied to a start): torch.linalg.eigh checks
+    # its LAPACK status on the host, a synchronisation on CUDA
+    power = h / torch.linalg.matrix_norm(h).clamp_min(1e-300)
+    for _ in range(8):
+        power = power @ power
+        power = power / torch.linalg.matrix_norm(power).clamp_min(1e-300)
+    z, _ = _normalize(power @ default_start(steps, torch.float64, a.device))
+    y, _ = _normalize(z @ basis)
+    return z @ (h @ z), y
+
+
+def _scaled_gram(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(a, e_a, e, finite, underflow): the symmetric float64 Gram matrix of w's smaller side scaled by 2**-e (its
+    largest entry in [0.5, 1)), its error bound, e, whether w is finite, and the bound on the scaling's underflow
+    (in scaled units, on the norm)."""
+    x, _ = _orient(w.detach())
+    x64 = x.to(torch.float64)
+    n, m = x64.shape
+    top = x64.abs().amax()
+    finite = torch.isfinite(top)
+    e = torch.where(finite & (top > 0), _exponent(top), torch.zeros((), dtype=torch.int64, device=x.device))
+    x64 = scale_pow2(torch.where(finite, x64, torch.zeros_like(x64)), -e)  # exact but where it underflows
+    a, e_a = _symmetric_gram(x64)
+    return a, e_a, e, finite, math.sqrt(n * m) * _ETA64
+
+
+def _cholesky_check(a: torch.Tensor, e_a: torch.Tensor, theta_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lam, ok): where the float64 Cholesky factorisation of h = theta_up I - a runs to completion (ok),
+    lam >= lambda_max of the exact Gram matrix a stands for (a within e_a of it): L L^T = h + dh with
+    |dh| <= gamma_{n+1} |L| |L|^T (Higham, Thm 10.3, any order of the inner products), so ||dh||_2 <= gamma_{n+1}
+    ||L||_F^2, and h's diagonal is rounded once (e_h)."""
+    n = a.shape[0]
+    h = -a
+    h.diagonal().add_(theta_up)
+    factor, info = torch.linalg.cholesky_ex(h)
+    e_h = _U64 * h.diagonal().abs().amax()
+    e_chol = _gamma(n + 1, _U64) * _sum_sq_up(factor) + n * n * _ETA64
+    lam = _inflate(theta_up + e_h + e_chol + e_a)
+    return lam, (info == 0) & torch.isfinite(lam)
+
+
+def certify_norm_at_most(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Whether a Cholesky check proves sigma_max(w) <= ``bound`` (a bool 0-d tensor; False where it cannot, e.g. a
+    bound below the norm or above it by less than the check's own rounding, about (n + m) n 2**-51 relative, or a
+    NaN anywhere): checks a certificate that came from outside, such as one in a loaded state dict."""
+    a, e_a, e, finite, underflow = _scaled_gram(w)
+    b = bound.to(device=a.device, dtype=torch.float64)
+    scaled = scale_pow2(b, -e)  # the bound in the Gram's units (rounded to nearest where it leaves the normal range)
+    root = (scaled - underflow).clamp_min(0) * (1.0 - 2.0**-50)  # below the bound's scaled value, whatever rounding
+    target = root * root * (1.0 - 2.0**-50)
+    # factorise just below the target: room for the check's own error terms (e_a, and about gamma_{n+1} n target for
+    # the factorisation), so that any bound above the norm by more than that passes
+    n = a.shape[0]
+    room = (2.0**-40 + 4 * (e_a / target.clamp_min(1e-300) + _gamma(n + 2, _U64) * (n + 2))).clamp(max=2.0**-10)
+    lam, ok = _cholesky_check(a, e_a, target * (1.0 - room))
+    return ok & finite & (lam <= target) & torch.isfinite(b) & (b > 0)
+
+
+def certified_norm_cholesky(
+    w: torch.Tensor, vector: torch.Tensor | None = None, steps: int = LANCZOS_STEPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A certified upper bound on sigma_max(w) from a warm Lanczos estimate and one Cholesky factorisation, for the
+    cost of one float64 Gram product (the Gram iteration costs ``iters`` of them).
+
+    With a = x x^T (x = w or w^T, the smaller side, scaled exactly by a power of two so that its largest entry is
+    in [0.5, 1)) and theta the largest Ritz value of ``steps`` Lanczos steps on a (warm-started), the claim is
+    lambda_max(a) <= theta' = theta (1 + 2**-9). It is checked by factorising h = theta' I - a: a floating-point
+    Cholesky that runs to completion gives L L^T = h + dh with |dh| <= gamma_{n+1} |L| |L|^T (Higham, Thm 10.3,
+    any order of the inner products), so ||dh||_2 <= gamma_{n+1} ||L||_F^2 and
+    lambda_max(x x^T) <= theta' + gamma_{n+1} ||L||_F^2 + (the rounding of h's diagonal) + ||a - x x^T||_2.
+
+    Returns ``(bound, vector)``: the bound (float64 0-d; +inf where the factorisation fails, i.e. the estimate was
+    too low, or where w has a NaN or Inf: callers take the minimum with another certified bound) and the new
+    unit vector (float64 [n]) to warm-start the next call. No host synchronisation."""
+    a, e_a, e, finite_top, underflow = _scaled_gram(w)
+    n = a.shape[0]
+    cold = default_start(n, torch.float64, a.device)
+    v = cold if vector is None or vector.shape != (n,) else vector.to(device=a.device, dtype=torch.float64)
+    v = torch.where(torch.linalg.vector_norm(v) > 0.5, v, cold)  # an all-zero vector (a zero matrix's): cold start
+    theta, v = _lanczos_top(a, v / torch.linalg.vector_norm(v), steps)
+    theta = theta.clamp_min(0)
+    theta_up = theta * (1.0 + CHOLESKY_MARGIN) + 2.0**-900  # > 0: a zero matrix still factorises
+    lam, ok = _cholesky_check(a, e_a, theta_up)
+    scaled = _inflate(lam.sqrt() * (1.0 + _U64) + underflow)
+    bound = _inflate(scale_pow2_up(scaled, e))
+    ok = ok & finite_top & torch.isfinite(bound)
+    return torch.where(ok, bound, torch.full_like(bound, math.inf)), v
