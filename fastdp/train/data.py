@@ -19,6 +19,14 @@ example: without noise, the model trained after it is not covered by the account
 The one-hot vocabularies of the UCI tables and the label set of a user's file are the sorted values present in the
 whole file: a schema, treated as public like the column names (German credit lacks A47 and A95, hence 61 features,
 not 63). The number of training rows N is public too, as everywhere in fastdp (the sample rate q = B / N).
+
+Where the files come from: ``data_dir`` (``--data-dir``, ``$FASTDP_DATA_DIR``) holds ``adbench/``, ``uci/`` and
+``mnist/`` as :data:`_FILES` lays them out. The UCI tables are the UCI Machine Learning Repository's own files (Adult
+https://archive.ics.uci.edu/dataset/2/adult, default of credit card clients .../dataset/350 saved from its .xls as
+CSV, students' dropout .../dataset/697, German credit .../dataset/144, nursery .../dataset/76); a missing file's error
+names its download page (:data:`_DOWNLOAD`). Their readers accept UCI's files as downloaded and the shared copies
+(``../shared/data/README.md``: a header line added to Adult's files, the credit .xls exported with an ``ID,X1..X23,Y``
+header), and refuse a malformed row naming the file and line.
 """
 
 from __future__ import annotations
@@ -171,6 +179,9 @@ _FILES: dict[str, tuple[str, ...]] = {
     "campaign": ("adbench/5_campaign.npz",),
     "german_credit": ("uci/german_credit/german.data",),
     "nursery": ("uci/nursery/nursery.data",),
+    "adult": ("uci/adult/adult.data", "uci/adult/adult.test"),
+    "default_credit": ("uci/default_credit_card/UCI_Credit_Card.csv",),
+    "dropout": ("uci/student_dropout/data.csv",),
     "mnist": ("mnist/t10k-images-idx3-ubyte.gz", "mnist/t10k-labels-idx1-ubyte.gz"),
 }
 
@@ -185,6 +196,12 @@ DATASETS: dict[str, str] = {
     "binary 0=good/1=bad (uci/german_credit/german.data)",
     "nursery": "UCI nursery, 12960 rows, 8 categorical attributes one-hot -> 27 features, 5 classes "
     "(uci/nursery/nursery.data)",
+    "adult": "UCI Adult (census income), adult.data + adult.test = 48842 rows, 6 numeric + 8 categorical attributes "
+    "one-hot ('?' kept as a category) -> 108 features, binary 0=<=50K/1=>50K (uci/adult/adult.data, adult.test)",
+    "default_credit": "UCI default of credit card clients, 30000 rows, 20 numeric + 3 categorical attributes (sex, "
+    "education, marriage) one-hot -> 33 features, binary 1=default (uci/default_credit_card/UCI_Credit_Card.csv)",
+    "dropout": "UCI predict students' dropout and academic success, 4424 rows, 27 numeric + 9 categorical attributes "
+    "one-hot -> 247 features, 3 classes Dropout/Enrolled/Graduate (uci/student_dropout/data.csv)",
     "mnist": "MNIST t10k split only (the training images are not available offline), 10000 images (1, 28, 28), "
     "10 classes, seeded 8000/2000 train/test split at test_fraction=0.2 "
     "(mnist/t10k-images-idx3-ubyte.gz, mnist/t10k-labels-idx1-ubyte.gz)",
@@ -193,6 +210,102 @@ DATASETS: dict[str, str] = {
 # Fixed label sets, so that the class index of a name never depends on which rows a file holds.
 _GERMAN_CLASSES = ("1", "2")  # 1 = good -> 0, 2 = bad -> 1
 _NURSERY_CLASSES = ("not_recom", "priority", "recommend", "spec_prior", "very_recom")  # sorted; 'recommend' has 2 rows
+
+
+@dataclass(frozen=True)
+class _UciTable:
+    """The layout of a UCI table, by field position: ``columns`` names every field of a data row in file order (the
+    label included); ``categorical`` fields are one-hot encoded over the sorted values present in the file(s) (a
+    schema, public like the column names); ``dropped`` fields (a row id) are read and checked to be present, not used;
+    every other field must be a finite number. ``classes`` lists the label values in class-index order, compared after
+    stripping ``label_suffix`` (adult.test writes ``<=50K.``). At most ``header_lines`` leading lines that are not
+    data rows (their label is not a class and a numeric field is not a number) are skipped as headers; lines starting
+    with ``|`` are UCI comments (adult.test's first line in UCI's own file)."""
+
+    columns: tuple[str, ...]
+    label: str
+    classes: tuple[str, ...]
+    categorical: tuple[str, ...]
+    sep: str
+    source: str  # where a user gets the file(s), for error messages and docs
+    dropped: tuple[str, ...] = ()
+    label_suffix: str = ""
+    header_lines: int = 1
+
+    def __post_init__(self) -> None:
+        named = {self.label, *self.categorical, *self.dropped}
+        assert named <= set(self.columns) and len(set(self.columns)) == len(self.columns), self.columns
+
+
+# UCI Adult (Becker & Kohavi 1996): adult.names' attributes in file order; '?' (missing) is kept as its own category.
+_ADULT_COLUMNS = ("age", "workclass", "fnlwgt", "education", "education-num", "marital-status", "occupation",
+                  "relationship", "race", "sex", "capital-gain", "capital-loss", "hours-per-week", "native-country",
+                  "income")  # fmt: skip
+_ADULT_CATEGORICAL = ("workclass", "education", "marital-status", "occupation", "relationship", "race", "sex",
+                      "native-country")  # fmt: skip
+_ADULT = _UciTable(
+    columns=_ADULT_COLUMNS,
+    label="income",
+    classes=("<=50K", ">50K"),
+    categorical=_ADULT_CATEGORICAL,
+    sep=",",
+    source="https://archive.ics.uci.edu/dataset/2/adult (doi:10.24432/C5XW20): adult.data and adult.test from its zip",
+    label_suffix=".",
+)
+# UCI default of credit card clients (Yeh & Lien 2009): ID, X1..X23, Y. UCI distributes an .xls whose CSV export has
+# two header rows (X1..X23, then LIMIT_BAL..); both are skipped. PAY_0..PAY_6 (X6-X11, months of delay, -2..8) are
+# ordinal and kept numeric; sex, education and marriage (X2-X4) are codes, one-hot (education 0, 5, 6 and marriage 0
+# are undocumented codes present in the data, each its own category).
+_DEFAULT_CREDIT_COLUMNS = ("ID", "LIMIT_BAL", "SEX", "EDUCATION", "MARRIAGE", "AGE", "PAY_0", "PAY_2", "PAY_3",
+                           "PAY_4", "PAY_5", "PAY_6", "BILL_AMT1", "BILL_AMT2", "BILL_AMT3", "BILL_AMT4", "BILL_AMT5",
+                           "BILL_AMT6", "PAY_AMT1", "PAY_AMT2", "PAY_AMT3", "PAY_AMT4", "PAY_AMT5", "PAY_AMT6",
+                           "default payment next month")  # fmt: skip
+_DEFAULT_CREDIT = _UciTable(
+    columns=_DEFAULT_CREDIT_COLUMNS,
+    label="default payment next month",
+    classes=("0", "1"),
+    categorical=("SEX", "EDUCATION", "MARRIAGE"),
+    sep=",",
+    source="https://archive.ics.uci.edu/dataset/350/default+of+credit+card+clients (doi:10.24432/C55S3H): its .xls "
+    "saved as CSV (comma-separated, header rows kept or not)",
+    dropped=("ID",),
+    header_lines=2,
+)
+# UCI predict students' dropout and academic success (Realinho et al. 2022), data.csv from the UCI zip: ';'-separated,
+# UTF-8 with BOM. Integer-coded nominal attributes are one-hot; the 0/1 attributes (attendance, displaced, special
+# needs, debtor, fees up to date, gender, scholarship, international) and the ordinal application order stay numeric.
+_DROPOUT_COLUMNS = ("Marital status", "Application mode", "Application order", "Course", "Daytime/evening attendance",
+                    "Previous qualification", "Previous qualification (grade)", "Nacionality", "Mother's qualification",
+                    "Father's qualification", "Mother's occupation", "Father's occupation", "Admission grade",
+                    "Displaced", "Educational special needs", "Debtor", "Tuition fees up to date", "Gender",
+                    "Scholarship holder", "Age at enrollment", "International", "Curricular units 1st sem (credited)",
+                    "Curricular units 1st sem (enrolled)", "Curricular units 1st sem (evaluations)",
+                    "Curricular units 1st sem (approved)", "Curricular units 1st sem (grade)",
+                    "Curricular units 1st sem (without evaluations)", "Curricular units 2nd sem (credited)",
+                    "Curricular units 2nd sem (enrolled)", "Curricular units 2nd sem (evaluations)",
+                    "Curricular units 2nd sem (approved)", "Curricular units 2nd sem (grade)",
+                    "Curricular units 2nd sem (without evaluations)", "Unemployment rate", "Inflation rate", "GDP",
+                    "Target")  # fmt: skip
+_DROPOUT_CATEGORICAL = ("Marital status", "Application mode", "Course", "Previous qualification", "Nacionality",
+                        "Mother's qualification", "Father's qualification", "Mother's occupation",
+                        "Father's occupation")  # fmt: skip
+_DROPOUT = _UciTable(
+    columns=_DROPOUT_COLUMNS,
+    label="Target",
+    classes=("Dropout", "Enrolled", "Graduate"),
+    categorical=_DROPOUT_CATEGORICAL,
+    sep=";",
+    source="https://archive.ics.uci.edu/dataset/697/predict+students+dropout+and+academic+success "
+    "(doi:10.24432/C5MC89): data.csv from its zip",
+)
+_UCI_TABLES = {"adult": _ADULT, "default_credit": _DEFAULT_CREDIT, "dropout": _DROPOUT}
+# Where a user without the shared data folder gets each file set (named in the missing-file error).
+_DOWNLOAD = {
+    "german_credit": "https://archive.ics.uci.edu/dataset/144/statlog+german+credit+data (doi:10.24432/C5NC77): "
+    "german.data",
+    "nursery": "https://archive.ics.uci.edu/dataset/76/nursery (doi:10.24432/C5P88W): nursery.data",
+    **{name: table.source for name, table in _UCI_TABLES.items()},
+}
 
 # IDX type byte -> big-endian numpy dtype (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT").
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -260,6 +373,87 @@ def _read_categorical_table(path: Path, sep: str | None, classes: tuple[str, ...
             categories = np.array(sorted(set(column)))
             features.append((np.array(column)[:, None] == categories[None, :]).astype(np.float64))
     y = np.array([classes.index(v) for v in columns[-1]], dtype=np.int64)
+    return np.concatenate(features, axis=1), y
+
+
+def _is_float(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _uci_rows(path: Path, table: _UciTable) -> list[list[str]]:
+    """The data rows of one file of ``table`` (fields stripped, label suffix removed), every one checked: the field
+    count, the label, a finite number in every numeric field. ValueError naming the file, its line and the field."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (UnicodeDecodeError, OSError) as exc:
+        raise ValueError(
+            f"{path}: cannot read it as UTF-8 text ({exc}); expected the UCI file from {table.source}"
+        ) from exc
+    label = table.columns.index(table.label)
+    skipped = {table.label, *table.categorical, *table.dropped}
+    numeric = [i for i, name in enumerate(table.columns) if name not in skipped]
+    rows: list[list[str]] = []
+    headers, bad = 0, []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("|"):
+            continue
+        fields = [field.strip() for field in line.split(table.sep)]
+        if len(fields) == len(table.columns) and fields[label].endswith(table.label_suffix):
+            fields[label] = fields[label][: len(fields[label]) - len(table.label_suffix)]
+        is_data = len(fields) == len(table.columns) and fields[label] in table.classes
+        numbers_ok = all(_is_float(fields[i]) for i in numeric if i < len(fields))
+        if not rows and headers < table.header_lines and not is_data and not numbers_ok:
+            headers += 1  # a header line (column names), before the first data row
+            continue
+        problem = None
+        if len(fields) != len(table.columns):
+            problem = (f"{len(fields)} field{'s' if len(fields) != 1 else ''} separated by {table.sep!r}, expected "
+                       f"{len(table.columns)}")  # fmt: skip
+        elif fields[label] not in table.classes:
+            problem = f"label {fields[label]!r} is not one of {', '.join(table.classes)}"
+        elif not numbers_ok:
+            i = next(i for i in numeric if not _is_float(fields[i]))
+            problem = f"{table.columns[i]!r} is {fields[i]!r}, not a finite number"
+        if problem is None:
+            rows.append(fields)
+        else:
+            bad.append((number, problem))
+    if bad:
+        number, problem = bad[0]
+        raise ValueError(f"{path}: {len(bad)} malformed data line{'s' if len(bad) > 1 else ''} (first: line {number}, "
+                         f"{problem}); expected the UCI file from {table.source}")  # fmt: skip
+    if not rows:
+        raise ValueError(f"{path}: no data rows; expected the UCI file from {table.source}")
+    return rows
+
+
+def _category_order(value: str) -> tuple:
+    """Sort key of a category: integer codes in numeric order, before any text, text in string order."""
+    try:
+        return (0, float(value), "")
+    except ValueError:
+        return (1, 0.0, value)
+
+
+def _read_uci_table(paths: Sequence[Path], table: _UciTable) -> tuple[np.ndarray, np.ndarray]:
+    """Features [n, d] (numeric fields as they are, categorical fields one-hot over the sorted values present in all
+    ``paths``, in column order) and class indices of the rows of ``paths`` concatenated in order."""
+    rows = [row for path in paths for row in _uci_rows(path, table)]
+    features = []
+    for i, name in enumerate(table.columns):
+        if name == table.label or name in table.dropped:
+            continue
+        column = [row[i] for row in rows]
+        if name in table.categorical:
+            categories = np.array(sorted(set(column), key=_category_order))
+            features.append((np.array(column)[:, None] == categories[None, :]).astype(np.float64))
+        else:
+            features.append(np.array([float(v) for v in column])[:, None])
+    label = table.columns.index(table.label)
+    y = np.array([table.classes.index(row[label]) for row in rows], dtype=np.int64)
     return np.concatenate(features, axis=1), y
 
 
@@ -675,6 +869,10 @@ def load_raw(name: str, data_dir: str | Path | None = None, seed: int = 0, test_
     if name == "nursery":
         x, y = _read_categorical_table(paths[0], ",", _NURSERY_CLASSES)
         return split(name, x, y, len(_NURSERY_CLASSES), str(paths[0]), **kw)
+    if name in _UCI_TABLES:
+        table = _UCI_TABLES[name]
+        x, y = _read_uci_table(paths, table)
+        return split(name, x, y, len(table.classes), " + ".join(str(p) for p in paths), **kw)
     # mnist
     images, labels = read_idx(paths[0]), read_idx(paths[1])
     if images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]:
@@ -1064,5 +1262,7 @@ def _resolve_files(name: str, data_dir: str | Path | None) -> list[Path]:
     paths = [root / f for f in files]
     for path in paths:
         if not path.is_file():
-            raise FileNotFoundError(f"dataset {name!r}: expected file {path} ({path.name} under {root}); {hint}")
+            origin = f" (the data comes from {_DOWNLOAD[name]})" if name in _DOWNLOAD else ""
+            raise FileNotFoundError(f"dataset {name!r}: expected file {path} ({path.name} under {root}); {hint}"
+                                    f"{origin}")  # fmt: skip
     return paths
