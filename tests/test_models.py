@@ -74,10 +74,11 @@ def test_per_example_grads_vmap(case):
 
 
 def test_unknown_model():
-    names = "auto, cnn, linear, lipschitz_mlp, mlp, opacus_cnn, weightclip_mlp"
+    names = ("auto, backprop_cnn, cnn, linear, lipschitz_mixer, lipschitz_mlp, lipschitz_vgg, mlp, opacus_cnn, "
+             "weightclip_cnn, weightclip_mlp")
     with pytest.raises(ValueError, match=f"available: {names}"):
         build_model("resnet", (30,), 2)
-    assert set(MODELS) == {"auto", "cnn", "linear", "lipschitz_mlp", "mlp", "opacus_cnn", "weightclip_mlp"}
+    assert set(MODELS) == set(names.split(", "))
 
 
 def test_opacus_cnn_shape_and_size():
@@ -86,6 +87,16 @@ def test_opacus_cnn_shape_and_size():
     assert sum(p.numel() for p in model.parameters()) == 26010
     with pytest.raises(ValueError, match=r"\(1, 28, 28\)"):
         build_model("opacus_cnn", (1, 8, 8), 10)
+
+
+def test_backprop_cnn_is_the_repository_model():
+    """uvm-plaid/backpropagation-clipping 7f38fe6: no padding, no bias, Linear(288, 32): 4 parameter tensors."""
+    model = build_model("backprop_cnn", (1, 28, 28), 10)
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes == [(16, 1, 8, 8), (32, 16, 4, 4), (32, 288), (10, 32)]
+    with pytest.raises(ValueError, match=r"\(1, 28, 28\)"):
+        build_model("backprop_cnn", (1, 8, 8), 10)
 
 
 @pytest.mark.parametrize("shape", [(30,), (1, 2, 2), (1, 28), (3, 3, 28)])

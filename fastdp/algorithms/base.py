@@ -352,6 +352,14 @@ class Variant(abc.ABC):
     def after_step(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook, nothing by default
         """Called after the optimizer step (e.g. a projection onto the constraint set: post-processing)."""
 
+    def checkpoint_state(self) -> dict:
+        """State a resumed run needs beyond the model, the optimizer and the accountant (e.g. an adaptive clip value):
+        plain values, saved in the trainer's checkpoint. Nothing by default."""
+        return {}
+
+    def restore_checkpoint_state(self, state: dict) -> None:  # noqa: B027 - optional hook, nothing by default
+        """Adopt :meth:`checkpoint_state` of the run being resumed (checked: a checkpoint is a file from outside)."""
+
     def privacy_event(self) -> tuple[float, float] | None:
         """(noise multiplier, sample rate) of one step for the accountant; None if not private."""
         return None
@@ -441,6 +449,7 @@ def release_noisy_mean(
     expected_batch_size: float,
     keys: PrivacyKeys,
     step: int,
+    extra: tuple[torch.Tensor, float] | None = None,
 ) -> None:
     """p.grad = (sum + N(0, std^2)) / (q N) for each parameter: the noise is keyed by ``keys.noise_key(step)`` (OS
     entropy by default; a reproducible key refuses a step it already released) and every value is a 4-draw sum
@@ -449,14 +458,24 @@ def release_noisy_mean(
 
     ``stds`` may be a tensor on the sums' device (stds that depend on the weights, e.g. Lipschitz bounds): the
     noise is then added as ``std * (sum / std + N(0, 1))``, the same Gaussian mechanism, with the std never read
-    on the host (no synchronisation). A zero std there is treated as 1e-30 (its sum is 0 by its bound)."""
+    on the host (no synchronisation). A zero std there is treated as 1e-30 (its sum is 0 by its bound).
+
+    ``extra`` = (tensor, std): one more statistic released in the same draw (tensor stds only), e.g. the count of
+    examples under a clip value (``fastdp.algorithms.clipless``): noised and divided in place like the sums, not
+    assigned to a gradient."""
     if isinstance(stds, torch.Tensor):
         scale = [s.to(total.dtype) for s, total in zip(stds.clamp_min(1e-30).unbind(), sums, strict=True)]
-        torch._foreach_div_(sums, scale)
-        _add_noise(sums, 1.0, keys, step)
-        torch._foreach_mul_(sums, scale)
+        noised = list(sums)
+        if extra is not None:
+            noised.append(extra[0])
+            scale.append(torch.full((), max(extra[1], 1e-30), dtype=extra[0].dtype, device=extra[0].device))
+        torch._foreach_div_(noised, scale)
+        _add_noise(noised, 1.0, keys, step)
+        torch._foreach_mul_(noised, scale)
         if expected_batch_size != 1.0:  # 1.0: the caller folded the division into the sums and stds
-            torch._foreach_div_(sums, expected_batch_size)
+            torch._foreach_div_(noised, expected_batch_size)
+    elif extra is not None:
+        raise ValueError("release_noisy_mean: an extra statistic needs tensor stds")
     else:
         _release(params, sums, stds, expected_batch_size, keys, step)
     for p, total in zip(params, sums, strict=True):

@@ -48,7 +48,9 @@ from fastdp.algorithms.base import trainable_parameters
 from fastdp.audit.claims import claim_of, noiseless
 from fastdp.audit.sensitivity import _Auditor
 from fastdp.audit.setups import AuditCase
-from fastdp.nn.lipschitz import BoundedInput, GroupSort2, LipschitzLinear
+from fastdp.nn.lipdp import ChannelGroupSort2, GlobalL2NormPool2d, GroupSort, MaxPool2d, lipschitz_loss
+from fastdp.nn.lipschitz import BoundedInput, GroupSort2, L2NormPool2d, LipschitzConv2d, LipschitzLinear, project_
+from fastdp.nn.weightclip import LipschitzGroupNorm, LipschitzSigmoid, LipschitzTanh, ResidualSum, WeightClipConv2d
 from fastdp.train.models import build_model
 
 # through fastdp.PrivacyEngine, the user's own loop: front-door kind -> the variant behind it
@@ -230,6 +232,7 @@ class Architecture:
     shape: tuple[int, ...]
     vocab: int = 0
     lipschitz: bool = False
+    loss: str | None = None  # clipless / weightclip: the Lipschitz loss (fastdp.nn.lipdp.LOSSES); None: tau-ce
 
 
 def _lipschitz(draw: Callable) -> Architecture:
@@ -238,6 +241,59 @@ def _lipschitz(draw: Callable) -> Architecture:
     hidden = draw(st.sampled_from([4, 8]))
     model = nn.Sequential(BoundedInput(4.0), LipschitzLinear(d, hidden), GroupSort2(), LipschitzLinear(hidden, CLASSES))
     return Architecture(model, "vector", (d,), lipschitz=True)
+
+
+def _weightclip_layers(draw: Callable) -> Architecture:
+    """The layers of fastdp.nn.weightclip (Lip-DP-SGD) in one image model, their options drawn: C, conv biases, the
+    group norm's alpha, the head's activation (sigmoid: an output bound that is not Lipschitz times input bound)."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    c, bias = draw(st.sampled_from([0.5, 1.0, 2.0])), draw(st.booleans())
+    alpha = draw(st.sampled_from([0.25, 1.0, 4.0]))
+    head = LipschitzSigmoid(12) if draw(st.booleans()) else LipschitzTanh(12)
+    model = nn.Sequential(
+        BoundedInput(4.0),
+        WeightClipConv2d(2, 4, 3, (6, 6), padding=1, bias=bias, max_norm=c),
+        LipschitzGroupNorm(2, 4, alpha=alpha, spatial_shape=(6, 6)),
+        nn.ReLU(),
+        ResidualSum(WeightClipConv2d(4, 4, 3, (6, 6), padding=1, max_norm=c), LipschitzTanh()),
+        L2NormPool2d(2),
+        WeightClipConv2d(4, 3, 3, (3, 3), stride=2, padding=1, bias=bias, max_norm=c),  # [3, 2, 2]
+        nn.Flatten(),
+        head,
+        LipschitzLinear(12, CLASSES, bias=True, projection="clip", max_norm=c),
+    )
+    # on its constraint set, as after any training step: the front door's pair of releases is taken before and after
+    # a step's projection, which would otherwise rescale the classifier (initial norm 1) where C < 1
+    project_(model)
+    return Architecture(model, "image", (2, 6, 6), lipschitz=True)
+
+
+# the losses the lipdp architectures below draw (tau-bce takes one logit or two, not the fuzzer's 3 classes)
+FUZZ_LOSSES = ("tau-ce", "kr", "hinge", "hkr", "cosine")
+
+
+def _lipschitz_cnn(draw: Callable) -> Architecture:
+    """fastdp.nn.lipdp's layers on 6x6 images: an RKO conv, channel GroupSort2 or GroupSort(2) over the channels,
+    max or L2-norm pooling (stride = kernel), then global L2-norm pooling or a flatten, a LipschitzLinear head, and
+    a drawn loss. The checkerboard and all-zero attacks meet the pooling's ties and its zero-norm gradient."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    channels = draw(st.sampled_from([2, 4]))
+    sort = ChannelGroupSort2() if draw(st.booleans()) else GroupSort(2, dim=1)
+    pool = MaxPool2d(2) if draw(st.booleans()) else L2NormPool2d(2)
+    layers = [BoundedInput(4.0), LipschitzConv2d(1, channels, 3, (6, 6), padding=1), sort, pool]  # -> 3x3
+    if draw(st.booleans()):
+        layers += [GlobalL2NormPool2d(), LipschitzLinear(channels, CLASSES)]
+    else:
+        layers += [nn.Flatten(), LipschitzLinear(channels * 9, CLASSES)]
+    return Architecture(nn.Sequential(*layers), "image", (1, 6, 6), lipschitz=True,
+                        loss=draw(st.sampled_from(FUZZ_LOSSES)))  # fmt: skip
+
+
+def _lipschitz_mixer(draw: Callable) -> Architecture:
+    """The zoo's ``lipschitz_mixer`` on 4x4 images (4 tokens of 2x2 patches, width 4) with a drawn loss."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    model = build_model("lipschitz_mixer", (1, 4, 4), CLASSES, hidden=4, depth=1, input_bound=4.0)
+    return Architecture(model, "image", (1, 4, 4), lipschitz=True, loss=draw(st.sampled_from(FUZZ_LOSSES)))
 
 
 def architectures() -> dict[str, Callable]:
@@ -313,10 +369,15 @@ def architectures() -> dict[str, Callable]:
         "shared-lookup-row0": seeded(lambda draw: Architecture(TiedTokens(5, 4, 4, first=True), "tokens", (4,), 5)),
         "batchnorm-eval": seeded(lambda draw: Architecture(EvalBatchNorm(5), "vector", (5,))),
         "lipschitz": _lipschitz,
+        "weightclip-layers": _weightclip_layers,
+        "lipschitz-cnn": _lipschitz_cnn,
+        "lipschitz-mixer": _lipschitz_mixer,
     }
 
 
 ARCHITECTURES = tuple(architectures())
+# the clipless and weightclip variants' usual draws
+LIPSCHITZ_ARCHITECTURES = ("lipschitz", "weightclip-layers", "lipschitz-cnn", "lipschitz-mixer")
 # architecture -> the variants that must refuse it (no outcome but "refused" is correct): a layer on a [T, B, d] view
 # with T == B, for the variants that norm, project or clip a layer's rows per example (the reference mode takes each
 # example's loss, which the view does not mix: measured instead); batch statistics in eval mode, for every one.
@@ -359,8 +420,9 @@ class Outcome:
         return self.status in ("violation", "crash", "must-refuse")
 
 
-def _variant(name: str, expected_batch: float, num_examples: int, model: nn.Module) -> Variant:
+def _variant(name: str, expected_batch: float, num_examples: int, model: nn.Module, loss: str | None = None) -> Variant:
     q, n = expected_batch / num_examples, num_examples
+    lipschitz = None if loss is None else lipschitz_loss(loss)  # clipless, weightclip: the architecture's loss
     layers = sum(1 for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
     per_layer = [(0.5, 0.8, 0.6, 0.9, 0.7)[i % 5] for i in range(layers)]
     return {
@@ -369,8 +431,8 @@ def _variant(name: str, expected_batch: float, num_examples: int, model: nn.Modu
         "dpsgd-per-layer": lambda: DPSGD(per_layer, 1.0, q, n, reproducible_seed=KEY),
         "jl": lambda: JL(1.0, 1.0, q, n, projections=4, reproducible_seed=KEY),
         "backprop": lambda: BackpropClip(1.0, 1.0, 1.0, q, n, reproducible_seed=KEY),
-        "clipless": lambda: Clipless(1.0, q, n, reproducible_seed=KEY),
-        "weightclip": lambda: WeightClip(1.0, q, n, reproducible_seed=KEY),
+        "clipless": lambda: Clipless(1.0, q, n, loss=lipschitz, reproducible_seed=KEY),
+        "weightclip": lambda: WeightClip(1.0, q, n, loss=lipschitz, reproducible_seed=KEY),
     }[name]()
 
 
@@ -472,7 +534,7 @@ def fuzz_case(case: FuzzCase, draw_architecture: Callable) -> Outcome:
     arch: Architecture = draw_architecture()
     dtype = {"fp64": torch.float64, "param-bf16": torch.bfloat16}.get(case.precision, torch.float32)
     model = arch.model.to(dtype)
-    if FRONT_DOOR.get(case.variant, case.variant) == "weightclip" and arch.lipschitz:
+    if FRONT_DOOR.get(case.variant, case.variant) == "weightclip" and case.architecture == "lipschitz":
         torch.manual_seed(case.seed)
         model = build_model("weightclip_mlp", arch.shape, CLASSES, hidden=8, input_bound=4.0).to(dtype)
     x = _inputs(arch, case.rows, gen, dtype)  # a model cast to bf16 gets bf16 data, as its user would give it
@@ -499,7 +561,7 @@ def fuzz_case(case: FuzzCase, draw_architecture: Callable) -> Outcome:
             less, _, _ = _front_door_release(case.variant, model, without, *args, 0.0, case.precision == "bf16")
             claim, step = claim_of(variant, model), 0
         else:
-            variant = _variant(case.variant, case.rows / 2, 4 * case.rows, model)
+            variant = _variant(case.variant, case.rows / 2, 4 * case.rows, model, arch.loss)
             if case.precision == "bf16":
                 variant.set_precision("bf16")
             variant.gradient(model, with_target, 0)  # converts layers, records what the claim is read from
@@ -565,7 +627,7 @@ def cases(draw, variants=VARIANTS, precisions=PRECISIONS, architectures_=ARCHITE
     builders = architectures()
     variant = draw(st.sampled_from(variants))
     lipschitz = FRONT_DOOR.get(variant, variant) in ("clipless", "weightclip")
-    usual = [a for a in architectures_ if (a == "lipschitz") == lipschitz] or list(architectures_)
+    usual = [a for a in architectures_ if (a in LIPSCHITZ_ARCHITECTURES) == lipschitz] or list(architectures_)
     name = draw(st.sampled_from(usual)) if draw(st.integers(0, 9)) else draw(st.sampled_from(architectures_))
     case = FuzzCase(
         architecture=name,

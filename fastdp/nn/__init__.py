@@ -20,6 +20,14 @@ from fastdp.nn.layers import (
     attention_projections,
     conversion,
 )
+from fastdp.nn.lipdp import (  # lip-dp's layers and losses (the max pooling: fastdp.nn.lipdp.MaxPool2d, not torch's)
+    ChannelGroupSort2,
+    GlobalL2NormPool2d,
+    GroupSort,
+    KCosineSimilarity,
+    TauBinaryCrossEntropy,
+    ToPatches,
+)
 from fastdp.nn.recurrent import GRU, LSTM, RNN  # registers them in DP_LAYERS
 from fastdp.nn.validate import (
     Problem,
@@ -33,24 +41,36 @@ from fastdp.nn.validate import (
     refuse_batch_statistics,
     validate,
 )
+from fastdp.nn.weightclip import LipschitzGroupNorm, LipschitzSigmoid, LipschitzTanh, ResidualSum, WeightClipConv2d
 
 __all__ = [
     "DP_LAYERS",
+    "ChannelGroupSort2",
     "Conv1d",
     "Conv2d",
     "DPLayer",
     "Embedding",
     "GRU",
     "GhostClipping",
+    "GlobalL2NormPool2d",
+    "GroupSort",
     "GroupNorm",
+    "KCosineSimilarity",
     "LSTM",
     "LayerNorm",
     "Linear",
+    "LipschitzGroupNorm",
+    "LipschitzSigmoid",
+    "LipschitzTanh",
     "MultiheadAttention",
     "Problem",
     "RNN",
+    "ResidualSum",
+    "TauBinaryCrossEntropy",
+    "ToPatches",
     "TransposedLinear",
     "UnsupportedLayerError",
+    "WeightClipConv2d",
     "active_context",
     "batch_statistics_layers",
     "check_parameter_dtypes",

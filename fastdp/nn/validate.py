@@ -534,10 +534,19 @@ def _lipschitz_alternative(kind: str, container: bool) -> str:
         )
     for keys, text in (
         (("Linear",), "LipschitzLinear (projection 'orthogonal' for clipless, 'clip' for weightclip)"),
-        (("Conv2d",), "LipschitzConv2d (bias-free, zero padding)"),
-        (("Pool",), "L2NormPool2d"),
-        (("Norm",), "LayerCentering (centring only: division by the variance has no Lipschitz bound)"),
-        (("Tanh", "Sigmoid", "GELU", "SiLU", "ELU", "LeakyReLU", "Softplus", "Mish", "Hardtanh"), "GroupSort2 or ReLU"),
+        (
+            ("Conv2d",),
+            "LipschitzConv2d (bias-free, zero padding; clipless) or fastdp.nn.weightclip.WeightClipConv2d (weightclip)",
+        ),
+        (("Pool",), "L2NormPool2d, fastdp.nn.lipdp.MaxPool2d (stride = kernel) or GlobalL2NormPool2d"),
+        (
+            ("Norm",),
+            "LayerCentering, or fastdp.nn.weightclip.LipschitzGroupNorm ((x - mu) / max(alpha, sigma): "
+            "dividing by the variance itself has no Lipschitz bound)",
+        ),
+        (("Tanh",), "fastdp.nn.weightclip.LipschitzTanh, or GroupSort2"),
+        (("Sigmoid",), "fastdp.nn.weightclip.LipschitzSigmoid, or GroupSort2"),
+        (("GELU", "SiLU", "ELU", "LeakyReLU", "Softplus", "Mish", "Hardtanh"), "GroupSort2 or ReLU"),
         (("Dropout",), "no dropout (its 1/(1-p) scaling has no rule)"),
         (("Embedding",), "variant 'dpsgd' (no Lipschitz embedding layer)"),
     ):

@@ -17,6 +17,7 @@ import torch
 
 from fastdp.algorithms import VARIANTS
 from fastdp.engine.distributed import launch, launched_by_torchrun, process_group
+from fastdp.nn.lipdp import LOSSES
 from fastdp.privacy.accounting import MECHANISMS
 from fastdp.train.data import DATASETS, FILE_FORMATS, STANDARDIZE, load_raw
 from fastdp.train.models import MODELS
@@ -53,7 +54,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what to train")
     g.add_argument("--variant", default=d.variant, choices=sorted(VARIANTS),
                    help="training variant: dpsgd = per-example clipping + Gaussian noise; clipless = Lipschitz "
-                        "network, analytic per-layer bounds, no clipping (needs --model lipschitz_mlp); weightclip = "
+                        "network, analytic per-layer bounds, no clipping (needs --model lipschitz_mlp, lipschitz_vgg "
+                        "or lipschitz_mixer); weightclip = "
                         "Lip-DP-SGD, weight norms clipped to C (needs --model weightclip_mlp); jl = DP-SGD with "
                         "per-example norms estimated from --projections JL projections (needs --accountant pld; "
                         "DP-Adam-JL with --optimizer adam); backprop = "
@@ -125,7 +127,27 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "exceeds C (default: %(default)s)")  # fmt: skip
     g.add_argument("--tau", type=float, default=d.tau,
                    help="clipless: temperature of the loss CE(tau * logits) / tau, Lipschitz sqrt(2) in the logits "
-                        "(default: %(default)s)")  # fmt: skip
+                        "(and of --loss tau-bce) (default: %(default)s)")  # fmt: skip
+    losses = "; ".join(f"{name}: {text}" for name, text in LOSSES.items())
+    g.add_argument("--loss", default=d.loss, choices=list(LOSSES),
+                   help=f"clipless, weightclip: the loss, Lipschitz in the logits with constant L (the bounds scale "
+                        f"with it); {losses} (default: %(default)s)")  # fmt: skip
+    g.add_argument("--margin", type=float, default=d.margin,
+                   help="--loss hinge or hkr: the margin (default: %(default)s)")  # fmt: skip
+    g.add_argument("--hkr-alpha", type=float, default=d.hkr_alpha,
+                   help="--loss hkr: alpha, the weight of the hinge term (default: %(default)s)")  # fmt: skip
+    g.add_argument("--cosine-k", type=float, default=d.cosine_k,
+                   help="--loss cosine: K, the floor of the logits' norm (default: %(default)s)")  # fmt: skip
+    g.add_argument("--certify-radius", type=float, default=None, metavar="R",
+                   help="Lipschitz models: also report the test accuracy certified robust at L2 radius R (correct, "
+                        "with margin > sqrt(2) L R for the model's certified Lipschitz constant L), in the data's "
+                        "units (images: pixels in [0, 1]); default 36/255 for images, none for tabular "
+                        "data")  # fmt: skip
+    g.add_argument("--logit-clip-quantile", type=float, default=None, metavar="Q",
+                   help="clipless, weightclip: clip each example's loss gradient w.r.t. the logits at the Q quantile "
+                        "of the batch's norms (e.g. 0.9), estimated privately each step with noise that is part of "
+                        "the noise multiplier (Andrew et al. 2021); the bounds then start from the clip value "
+                        "instead of the loss's constant (default: off)")  # fmt: skip
     g.add_argument("--noise-strategy", default=d.noise_strategy, choices=["per-layer", "global"],
                    help="clipless: noise per parameter tensor from its own bound (per-layer) or one global bound "
                         "(default: %(default)s)")  # fmt: skip
@@ -227,7 +249,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         result = train(config)
     print(json.dumps({k: result[k] for k in ("variant", "dataset", "epsilon", "delta", "privacy_randomness",
-                                             "test_accuracy", "test_auroc", "steps", "train_seconds")}))  # fmt: skip
+                                             "test_accuracy", "test_auroc", "steps", "train_seconds")}
+                      | {k: result[k] for k in ("test_certified_accuracy", "certify_radius")
+                         if result.get(k) is not None}))  # fmt: skip
     for key in ("note", "note_epsilon", "note_labels"):
         if key in result:
             print(f"note: {result[key]}", file=sys.stderr)

@@ -45,6 +45,8 @@ from fastdp.engine.distributed import DataParallel, software_fingerprint, tensor
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
 from fastdp.engine.privacy_engine import private_training
+from fastdp.nn.lipdp import LOSSES, certified_accuracy, lipschitz_constant
+from fastdp.nn.lipschitz import mul_up
 from fastdp.privacy.accounting import (
     MECHANISMS,
     PrivacyAccountant,
@@ -78,7 +80,7 @@ from fastdp.train.data import (
     precision_noise_multiplier,
     release_noise_multipliers,
 )
-from fastdp.train.models import build_model
+from fastdp.train.models import LIPSCHITZ_MODELS, build_model
 
 # --compile through the front door: the model's forward is compiled without CUDA graphs (the DP layers' recorded
 # inputs must not live in a graph's memory pool that the next replay overwrites), as Variant.compile's release is
@@ -121,6 +123,16 @@ class TrainConfig:
     max_weight_norm: float = 1.0  # weightclip: C, the bound kept on each layer's spectral norm
     tau: float = 1.0  # clipless: temperature of the tau cross-entropy (Lipschitz constant sqrt(2) in logits)
     noise_strategy: str = "per-layer"  # clipless: per-layer or global noise
+    loss: str = "tau-ce"  # clipless, weightclip: the Lipschitz loss, one of fastdp.nn.lipdp.LOSSES
+    margin: float = 1.0  # loss hinge or hkr: the margin
+    hkr_alpha: float = 10.0  # loss hkr: the hinge's weight alpha (L = alpha + sqrt(2))
+    cosine_k: float = 1.0  # loss cosine: K, the floor of the logits' norm (L = 1 / (K max(1, K)))
+    # Lipschitz models: also report the test accuracy certified at this L2 radius, in the data's own units (images:
+    # pixels in [0, 1]); None: 36/255 for images, no certificate for tabular data
+    certify_radius: float | None = None
+    # clipless, weightclip: clip each example's logit gradient at this quantile of the batch's logit-gradient norms,
+    # estimated privately (its noise is part of the step's noise multiplier; fastdp.algorithms.clipless)
+    logit_clip_quantile: float | None = None
     epsilon: float | None = None
     delta: float = 1e-5
     noise_multiplier: float | None = None
@@ -161,6 +173,19 @@ class TrainConfig:
             raise ValueError(f"learning rate must be finite and > 0 in float32 (the parameters' dtype), got {self.lr}")
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose sgd or adam")
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
+        radius = self.certify_radius
+        if radius is not None and (isinstance(radius, bool) or not isinstance(radius, numbers.Real)
+                                   or not (math.isfinite(radius) and radius >= 0)):  # fmt: skip
+            raise ValueError(f"--certify-radius must be a finite L2 radius >= 0, got {radius!r}")
+        quantile = self.logit_clip_quantile
+        if quantile is not None:
+            if self.variant not in ("clipless", "weightclip"):
+                raise ValueError(f"--logit-clip-quantile is for the clipless and weightclip variants, not "
+                                 f"{self.variant!r}")  # fmt: skip
+            if isinstance(quantile, bool) or not isinstance(quantile, numbers.Real) or not 0 < quantile < 1:
+                raise ValueError(f"--logit-clip-quantile must be in (0, 1), e.g. 0.9, got {quantile!r}")
         self._validate_data()
         if VARIANTS[self.variant].private and self.epsilon is None and self.noise_multiplier is None:
             raise ValueError(
@@ -302,10 +327,15 @@ def _make_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: Dataset, device: torch.device) -> dict:
+def evaluate(
+    model: torch.nn.Module, data: Dataset, device: torch.device, certify: tuple[object, float] | None = None
+) -> dict:
     """Test loss, accuracy and (binary tasks) AUROC. FloatingPointError if the model's outputs are not finite
     (finite weights whose forward overflows float32, e.g. after a diverging learning rate): no metric, record or
-    epsilon is reported for such a model. Deciding on the released weights and the test split is post-processing."""
+    epsilon is reported for such a model. Deciding on the released weights and the test split is post-processing.
+
+    ``certify`` = (L, r): also ``test_certified_accuracy``, the fraction of test rows certified robust at L2 radius r
+    for logits L-Lipschitz in the rows as given (``fastdp.nn.lipdp.certified_mask``), and ``certify_radius`` r."""
     model.eval()
     logits = torch.cat([model(x.to(device)).cpu() for x in data.x_test.split(1024)])
     model.train()
@@ -319,6 +349,9 @@ def evaluate(model: torch.nn.Module, data: Dataset, device: torch.device) -> dic
     loss = torch.nn.functional.cross_entropy(logits, data.y_test).item()
     accuracy = (logits.argmax(1) == data.y_test).double().mean().item()
     metrics = {"test_loss": loss, "test_accuracy": accuracy}
+    if certify is not None:
+        metrics["test_certified_accuracy"] = certified_accuracy(logits, data.y_test, *certify)
+        metrics["certify_radius"] = certify[1]
     if data.task == "binary" and data.y_test.unique().numel() == 2:
         from sklearn.metrics import roc_auc_score
 
@@ -335,6 +368,9 @@ class Trainer:
         self.config = config
         # data-parallel when a torch.distributed process group is up (fastdp train --nproc N); None: one process
         self.distributed = DataParallel.current()
+        if self.distributed is not None and config.logit_clip_quantile is not None:
+            raise ValueError("--logit-clip-quantile runs in one process: each rank would release its own count of "
+                             "the shared step; train it without --nproc")  # fmt: skip
         self.device = self.distributed.device(config.device) if self.distributed else torch.device(config.device)
         # The run seed fixes the train/test split and the initial weights (and the global generator, which no
         # privacy draw uses). Neither is a privacy draw: the guarantee holds for every split and initialisation, as
@@ -357,7 +393,7 @@ class Trainer:
         self.model = build_model(config.model, self.data.input_shape, self.data.num_classes, hidden=config.hidden,
                                  input_bound=config.input_bound, max_weight_norm=config.max_weight_norm)  # fmt: skip
         needs = {"clipless": "lipschitz_mlp", "weightclip": "weightclip_mlp"}.get(config.variant)
-        if needs and config.model not in ("lipschitz_mlp", "weightclip_mlp"):
+        if needs and config.model not in LIPSCHITZ_MODELS:
             raise ValueError(
                 f"{config.variant} training needs a Lipschitz model (--model {needs}), got {config.model!r}"
             )
@@ -874,7 +910,7 @@ class Trainer:
                 "train_loss": loss_sum.item() / max(examples, 1),
                 "epsilon": self.epsilon(),
                 "steps_per_second": len(self.sampler) / seconds if seconds > 0 else math.inf,
-                **evaluate(self.model, self.test_data, self.device),
+                **evaluate(self.model, self.test_data, self.device, self._certification()),
             }
             self.history.append(record)
             _log(config, self._format(record))
@@ -913,6 +949,22 @@ class Trainer:
             )
         return text
 
+    def _certification(self) -> tuple[object, float] | None:
+        """(L, r) for :func:`evaluate`'s certified accuracy, or None (not a Lipschitz model; tabular data without
+        ``certify_radius``). r is in the data's own units (images: pixels in [0, 1]) and L the Lipschitz constant of
+        the model (``fastdp.nn.lipdp.lipschitz_constant``, on the current weights) times that of the standardisation
+        the test rows went through: x -> (clip(x) - mean) / std is 1 / min(std)-Lipschitz in L2."""
+        c = self.config
+        radius = c.certify_radius if c.certify_radius is not None else (36 / 255 if self.raw.image else None)
+        if radius is None or c.model not in LIPSCHITZ_MODELS:
+            return None
+        constant = lipschitz_constant(self.model)
+        std = self.standardisation.std
+        if self.standardisation.mode != "off" and std is not None:
+            smallest = float(np.min(std))
+            constant = mul_up(constant, math.nextafter(1.0 / smallest, math.inf))  # 1 / min(std), rounded up
+        return constant, float(radius)
+
     def _randomness(self) -> str | None:
         if not self.private:
             return None
@@ -926,11 +978,14 @@ class Trainer:
         )
         if "test_auroc" in record:
             text += f"  auroc {record['test_auroc']:.4f}"
+        if "test_certified_accuracy" in record:
+            text += f"  certified {record['test_certified_accuracy']:.4f} at r={record['certify_radius']:.4g}"
         return text + f"  eps {record['epsilon']:.3f}  {record['steps_per_second']:.1f} steps/s"
 
     def result(self, stopped_early: bool = False) -> dict:
         c = self.config
-        final = self.history[-1] if self.history else evaluate(self.model, self.test_data, self.device)
+        final = (self.history[-1] if self.history
+                 else evaluate(self.model, self.test_data, self.device, self._certification()))  # fmt: skip
         result = {
             "variant": c.variant,
             "dataset": self.raw.name,
@@ -949,6 +1004,8 @@ class Trainer:
             "train_seconds": self.train_seconds,
             "test_accuracy": final["test_accuracy"],
             "test_auroc": final.get("test_auroc"),
+            "test_certified_accuracy": final.get("test_certified_accuracy"),
+            "certify_radius": final.get("certify_radius"),
             "variant_config": self.variant.describe(),
             "config": {k: v for k, v in dataclasses.asdict(c).items() if k != "extra"},
             "history": self.history,
@@ -1047,7 +1104,12 @@ class Trainer:
                 identity["input_clip"] = c.input_clip
             if c.variant in ("clipless", "weightclip"):
                 identity.update({"tau": c.tau, "noise_strategy": c.noise_strategy})
-            if c.model in ("lipschitz_mlp", "weightclip_mlp"):
+                if c.logit_clip_quantile is not None:  # (checkpoints from before the option keep their identity)
+                    identity["logit_clip_quantile"] = c.logit_clip_quantile
+                if c.loss != "tau-ce":  # (checkpoints of tau-ce runs from before --loss keep their identity)
+                    identity.update({"loss": c.loss, "margin": c.margin, "hkr_alpha": c.hkr_alpha,
+                                     "cosine_k": c.cosine_k})  # fmt: skip
+            if c.model in LIPSCHITZ_MODELS:
                 identity.update({"input_bound": c.input_bound, "max_weight_norm": c.max_weight_norm})
         if self._world_size() > 1:  # data-parallel: a resume must use as many processes
             identity["world_size"] = self._world_size()
@@ -1071,6 +1133,7 @@ class Trainer:
             "history": self.history,
             "train_seconds": self.train_seconds,
             "standardization": self.standardisation.state_dict(),
+            "variant_state": self.variant.checkpoint_state(),
         }
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1089,6 +1152,7 @@ class Trainer:
             self.accountant.load_state_dict(state["accountant"])
             self.sampler.load_state_dict(state["sampler"])
             torch.set_rng_state(state["torch_rng"])
+            self.variant.restore_checkpoint_state(state.get("variant_state", {}))
         except (KeyError, RuntimeError, TypeError, ValueError) as exc:  # its parts do not fit this run's objects
             message = f"checkpoint {path} is corrupt: its saved state does not load into this run ({exc})"
             raise ValueError(message) from exc
