@@ -42,6 +42,7 @@ from fastdp.nn.lipschitz import (
     _backward_bounds,
     _bounds_pass,
     _forward_bounds,
+    _l2_norm,
     _unsupported,
     mul_up,
 )
@@ -67,27 +68,6 @@ def _up(exact: Fraction) -> float:
     """The float64 nearest ``exact``, or the next one up if that is below it: an upper bound, rounded up."""
     value = float(exact)
     return math.nextafter(value, math.inf) if Fraction(value) < exact else value
-
-
-def _l2_norm(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """The L2 norm of ``x`` over ``dims`` (removed), accurate and 1-Lipschitz at every scale, with a finite gradient.
-
-    As in ``L2NormPool2d``: the entries are divided by their largest magnitude m before squaring (||x|| = m ||x / m||,
-    so no square underflows or overflows: float32 logits of 1e30 keep their norm, where ``vector_norm`` gives inf);
-    the gradient is the unit direction x / ||x|| (norm 1 up to rounding), and 0 at x = 0: a subgradient of ||x||
-    there (norm <= 1) where sqrt's infinite derivative gives NaN. Computed in float32 at least."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    xs = x.to(acc)
-    values = xs.detach()
-    top = values.abs().amax(dim=dims, keepdim=True)
-    scale = torch.where(top > 0, top, torch.ones_like(top))
-    unit = values / scale  # its largest entry is +-1
-    q = unit.square().sum(dim=dims, keepdim=True)  # >= 1, or 0 for an all-zero slice (NaN stays NaN)
-    root = q.sqrt()
-    norm = scale * root
-    direction = torch.where(q == 0, 0.0, unit / root)  # d||x||/dx, and 0 at x = 0
-    linear = (xs * direction).sum(dim=dims, keepdim=True)  # value 0 after the subtraction below, gradient direction
-    return (norm + (linear - linear.detach())).squeeze(dims).to(x.dtype)
 
 
 def _batch_dim_refused(layer: str, dim: int, ndim: int) -> int:

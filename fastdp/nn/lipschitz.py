@@ -426,6 +426,27 @@ class LipschitzConv2d(LipschitzModule):
         self.weight.copy_(rko_orthonormalize(self.weight.detach(), self.input_hw, (self.stride, self.stride)))
 
 
+def _l2_norm(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The L2 norm of ``x`` over ``dims`` (removed), accurate and 1-Lipschitz at every scale, with a finite gradient.
+
+    The entries are divided by their largest magnitude m before squaring (||x|| = m ||x / m||,
+    so no square underflows or overflows: float32 logits of 1e30 keep their norm, where ``vector_norm`` gives inf);
+    the gradient is the unit direction x / ||x|| (norm 1 up to rounding), and 0 at x = 0: a subgradient of ||x||
+    there (norm <= 1) where sqrt's infinite derivative gives NaN. Computed in float32 at least."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xs = x.to(acc)
+    values = xs.detach()
+    top = values.abs().amax(dim=dims, keepdim=True)
+    scale = torch.where(top > 0, top, torch.ones_like(top))
+    unit = values / scale  # its largest entry is +-1
+    q = unit.square().sum(dim=dims, keepdim=True)  # >= 1, or 0 for an all-zero slice (NaN stays NaN)
+    root = q.sqrt()
+    norm = scale * root
+    direction = torch.where(q == 0, 0.0, unit / root)  # d||x||/dx, and 0 at x = 0
+    linear = (xs * direction).sum(dim=dims, keepdim=True)  # value 0 after the subtraction below, gradient direction
+    return (norm + (linear - linear.detach())).squeeze(dims).to(x.dtype)
+
+
 class L2NormPool2d(LipschitzModule):
     """L2 norm of each non-overlapping k x k window (stride = k): norm preserving up to dropped border pixels,
     1-Lipschitz (Béthune et al. 2024 ScaledL2NormPooling).
@@ -450,20 +471,7 @@ class L2NormPool2d(LipschitzModule):
             raise ValueError(
                 f"L2NormPool2d({k}): an input of {x.shape[-2]}x{x.shape[-1]} pixels is smaller than one {k}x{k} window"
             )
-        acc = torch.promote_types(x.dtype, torch.float32)
-        windows = x[..., : h * k, : w * k].to(acc).reshape(*x.shape[:-2], h, k, w, k)
-        dims = (-3, -1)
-        values = windows.detach()
-        top = values.abs().amax(dim=dims, keepdim=True)
-        scale = torch.where(top > 0, top, torch.ones_like(top))
-        unit = values / scale  # its largest entry is +-1
-        q = unit.square().sum(dim=dims, keepdim=True)  # >= 1, or 0 for an all-zero window (NaN stays NaN)
-        root = q.sqrt()
-        norm = scale * root
-        direction = torch.where(q == 0, 0.0, unit / root)  # d||x||/dx, and 0 at x = 0
-        # the value is `norm`, the gradient `direction` (linear - linear.detach() is exactly 0, of gradient direction)
-        linear = (windows * direction).sum(dim=dims, keepdim=True)
-        return (norm + (linear - linear.detach())).squeeze(-1).squeeze(-2).to(x.dtype)
+        return _l2_norm(x[..., : h * k, : w * k].reshape(*x.shape[:-2], h, k, w, k), (-3, -1))
 
 
 class AddBias(LipschitzModule):
