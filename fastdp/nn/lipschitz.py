@@ -32,6 +32,7 @@ from torch import nn
 
 from fastdp.nn.clip import clip_gradient, clip_rows
 from fastdp.ops import (
+    bjorck_orthonormalize,
     certified_bjorck_step,
     certified_norm_cholesky,
     certified_spectral_norm,
@@ -340,8 +341,15 @@ class LipschitzLinear(LipschitzModule):
     def project_(self) -> None:
         w = self.weight.detach()
         if self.projection == "orthogonal":
-            for _ in range(self.bjorck_steps):  # each step certifies its own output, from any start
-                w, bound = certified_bjorck_step(w, self.max_norm)
+            c = self.max_norm
+            # a certified step first (from any start into the ball), plain float32 steps, a certified one last
+            # (its bound holds from any start): the certificate's arithmetic at most twice
+            w, bound = certified_bjorck_step(w, c)
+            if self.bjorck_steps > 2:
+                (w,) = bjorck_orthonormalize([w / c], iters=self.bjorck_steps - 2)
+                w = w * c
+            if self.bjorck_steps > 1:
+                w, bound = certified_bjorck_step(w, c)
             self.weight.copy_(w)
             self._certify(bound)
             return

@@ -119,7 +119,7 @@ def certified_bjorck_step(w: torch.Tensor, scale: float = 1.0) -> tuple[torch.Te
     x, transposed = spectral._orient(w.detach())
     n, m = x.shape
     x64 = x.to(torch.float64)
-    a, e_a = spectral._symmetric_gram(x64)
+    a, e_a, a_norm, x_norm_f = spectral._symmetric_gram(x64)
     beta = spectral._inflate(a.abs().sum(1).amax() * (1.0 + spectral._gamma(n, spectral._U64)))  # >= lambda_max(a)
     kappa = 0.5 / scale**2
     limit = math.nextafter(2.0 / kappa, 0.0)  # <= 2 / kappa: p(t) <= 0.5 / kappa below it
@@ -134,19 +134,22 @@ def certified_bjorck_step(w: torch.Tensor, scale: float = 1.0) -> tuple[torch.Te
     q.diagonal().add_(1.5)
     # q = 1.5 I - kappa A' exactly for A' = (1.5 I - q) / kappa: off the diagonal A' is kappa * av rounded once
     # (over kappa), on it also the rounding of 1.5 - t; entries that underflow lose at most eta / kappa
-    e_v = s2 * e_a + spectral._U64 * (spectral._sum_sq_up(av).sqrt() + q.diagonal().abs().amax() * math.sqrt(n) / kappa)
+    e_v = s2 * e_a + spectral._U64 * (s2 * a_norm + q.diagonal().abs().amax() * math.sqrt(n) / kappa)
     e_v = spectral._inflate(e_v + n * n * spectral._ETA64 / kappa + n * spectral._ETA64)
     ok = s2 * beta + e_v <= limit  # lambda_max(A') <= 2 / kappa, where p is bounded by 0.5 / kappa
     q_norm = 1.5 + kappa * e_v
     exact_part = (half_over_kappa + q_norm * q_norm * e_v).sqrt() * (1.0 + spectral._U64)
     m0 = q * s  # exact (s a power of two >= 2**-500)
     mq = m0.to(w.dtype)  # entrywise rounding F: |F| <= u |m0| + eta
-    cast = u * spectral._sum_sq_up(m0).sqrt() + n * eta if w.dtype != torch.float64 else torch.zeros_like(e_v)
+    # m0 is symmetric: |||m0|||_2 <= its largest absolute column sum, and ||m0||_F <= sqrt(n) times it
+    column = spectral._inflate(m0.abs().sum(0).amax() * (1.0 + spectral._gamma(n, spectral._U64)))
+    cast = (u * math.sqrt(n) * column + n * eta) if w.dtype != torch.float64 else torch.zeros_like(e_v)
     x_norm = (beta + e_a).sqrt() * (1.0 + spectral._U64)  # >= ||x||_2
-    column = mq.to(torch.float64).abs().sum(0).amax() * (1.0 + spectral._gamma(n, spectral._U64))
     y = mq @ x.to(w.dtype)
-    product = spectral._gamma(n, u) * column * spectral._sum_sq_up(x64).sqrt() + math.sqrt(n * m) * 2 * n * eta
+    # |E| <= gamma_n |mq| |x| (+ eta per operation), |||mq|||_2 <= column (1 + u) + n eta
+    mq_norm = column * (1.0 + u) + n * eta
+    product = spectral._gamma(n, u) * mq_norm * x_norm_f + math.sqrt(n * m) * 2 * n * eta
     bound = spectral._inflate(exact_part + cast * x_norm + product)
-    ok = ok & torch.isfinite(bound) & torch.isfinite(y).all()
+    ok = ok & torch.isfinite(bound)  # a finite bound covers y, so y is finite too
     bound = torch.where(ok, bound, torch.full_like(bound, math.inf))
     return (y.T if transposed else y).contiguous(), bound

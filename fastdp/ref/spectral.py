@@ -255,12 +255,12 @@ def _orient(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
 GRAM_BLOCK = 128  # rows per block of the symmetric Gram product: the blocks above the diagonal only, mirrored
 
 
-def _symmetric_gram(x64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a, e_a): a = the float64 Gram matrix x x^T, exactly symmetric (the blocks on and above the diagonal are
-    computed, those below mirrored: (k + 1) / (2k) of the products for k blocks), and e_a >= ||a - x x^T||_2 for the
-    exact product: every entry is one dot product of length m, so |a - x x^T| <= gamma_m |x| |x|^T + 2 m eta
-    entrywise, with ||(|x| |x|^T)||_2 = |||x|||_2^2 <= ||x||_F^2; a diagonal block's own product is symmetrised
-    ((g + g^T) / 2, one more rounding of its entries)."""
+def _symmetric_gram(x64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, e_a, ||a||_F, ||x||_F), the norms rounded up. a is the float64 Gram matrix x x^T, exactly symmetric (the
+    blocks on and above the diagonal are computed, those below mirrored: (k + 1) / (2k) of the products for k
+    blocks); e_a >= ||a - x x^T||_2 for the exact product: every entry is one dot product of length m, so
+    |a - x x^T| <= gamma_m |x| |x|^T + 2 m eta entrywise, with ||(|x| |x|^T)||_2 = |||x|||_2^2 <= ||x||_F^2; a
+    diagonal block's own product is symmetrised ((g + g^T) / 2, one more rounding of its entries)."""
     n, m = x64.shape
     blocks = x64.split(GRAM_BLOCK)
     a = torch.empty(n, n, dtype=torch.float64, device=x64.device)
@@ -276,8 +276,9 @@ def _symmetric_gram(x64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             a[other : other + cols.shape[0], start:end] = block.T
             other += cols.shape[0]
         start = end
-    e_a = _gamma(m, _U64) * _sum_sq_up(x64) + _U64 * _sum_sq_up(a).sqrt() + 2.0 * m * n * _ETA64
-    return a, _inflate(e_a)
+    x_sq, a_norm = _sum_sq_up(x64), _inflate(_sum_sq_up(a).sqrt())
+    e_a = _gamma(m, _U64) * x_sq + _U64 * a_norm + 2.0 * m * n * _ETA64
+    return a, _inflate(e_a), a_norm, _inflate(x_sq.sqrt())
 
 
 def frobenius_distance_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -343,7 +344,7 @@ def _scaled_gram(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     finite = torch.isfinite(top)
     e = torch.where(finite & (top > 0), _exponent(top), torch.zeros((), dtype=torch.int64, device=x.device))
     x64 = scale_pow2(torch.where(finite, x64, torch.zeros_like(x64)), -e)  # exact but where it underflows
-    a, e_a = _symmetric_gram(x64)
+    a, e_a, _, _ = _symmetric_gram(x64)
     return a, e_a, e, finite, math.sqrt(n * m) * _ETA64
 
 
