@@ -115,6 +115,12 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--projections", type=int, default=d.projections,
                    help="jl: r, Gaussian JL projections per step behind each per-example norm estimate; more is "
                         "slower (one jvp each) and closer to DP-SGD's epsilon (default: %(default)s)")  # fmt: skip
+    g.add_argument("--jl-chunk", type=int, default=None, metavar="K",
+                   help="jl: project K tangents at once in every layer (default: each layer's chunk from "
+                        "--jl-memory-budget); the released gradient does not depend on it")  # fmt: skip
+    g.add_argument("--jl-memory-budget", type=float, default=None, metavar="F",
+                   help="jl: memory for the tangents of one layer, as a multiple F of the step's own tensors "
+                        "(parameters, saved inputs, output gradients; default 0.5)")  # fmt: skip
     g.add_argument("--input-bound", type=float, default=None,
                    help="clipless / Lipschitz models: X_0, each example's input is projected onto the L2 ball of this "
                         "radius (default sqrt(number of features))")  # fmt: skip

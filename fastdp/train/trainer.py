@@ -118,6 +118,8 @@ class TrainConfig:
     momentum: float = 0.0
     clip_norm: float = 1.0
     projections: int = 10  # jl: r, the JL projections per step behind each per-example norm estimate
+    jl_chunk: int | None = None  # jl: tangents projected at once per layer (None: from jl_memory_budget)
+    jl_memory_budget: float | None = None  # jl: chunk budget, a multiple of the step's own tensors (None: 0.5)
     input_bound: float | None = None  # Lipschitz models: X_0, inputs projected onto this L2 ball (default sqrt(d))
     input_clip: float = 1.0  # backprop: C1, each example's input to every trainable layer is clipped to this norm
     max_weight_norm: float = 1.0  # weightclip: C, the bound kept on each layer's spectral norm
