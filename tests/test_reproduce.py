@@ -11,7 +11,7 @@ import torch
 from bench.reproduce import paper
 from bench.reproduce.cli import main
 from bench.reproduce.runner import COLUMNS, select_point, use_projection
-from bench.reproduce.specs import build_plan
+from bench.reproduce.specs import BACKPROP_PAPER_POINT, build_plan
 from fastdp.train.models import build_model
 
 
@@ -20,9 +20,14 @@ def test_default_plan_covers_the_three_tables():
     keys = {(c.section, c.method.key, c.dataset) for c in plan.cells}
     for dataset in ("yeast", "magic", "shuttle", "campaign"):
         assert {("lipdp", "dpsgd", dataset), ("lipdp", "clipless", dataset)} <= keys
-    for dataset in ("breast_cancer", "german_credit", "nursery"):
-        assert {("weightclip", m, dataset) for m in ("dpsgd", "weightclip", "fixed")} <= keys
-    assert sorted({c.epsilon for c in plan.cells if c.section == "backprop"}) == [0.1, 0.2, 1.0, 3.0]
+    for dataset in ("breast_cancer", "german_credit", "nursery", "adult", "default_credit", "dropout"):
+        assert {("weightclip", m, dataset) for m in ("dpsgd", "dpsgd-per-layer", "weightclip", "fixed")} <= keys
+    for key in ("backprop-cnn", "backprop-linear"):
+        assert sorted(c.epsilon for c in plan.cells if c.method.key == key) == [0.1, 0.2, 1.0, 3.0]
+    repo = [c for c in plan.cells if c.method.key == "backprop-cnn-repo"]
+    assert sorted(c.epsilon for c in repo) == [0.1, 0.2, 1.0, 3.0, 3.18, 23.5]
+    assert all(c.grid == (BACKPROP_PAPER_POINT,) and c.method.model == "backprop_cnn" for c in repo)
+    assert [c.paper.value for c in repo if c.epsilon > 3] == [95.0, 96.0]  # the repository's '1' and '3' settings
     assert len(plan.eval_seeds) >= 3 and not set(plan.eval_seeds) & set(plan.tune_seeds)
     for c in plan.cells:
         assert c.grid and c.paper is not None, c.key
@@ -124,3 +129,30 @@ def test_plot_png_draws_with_matplotlib_when_present(tmp_path, monkeypatch):
     assert list(eps) == [0.1, 0.2, 1.0, 3.0] and list(means) == [51.0] * 4
     assert ax.plot.call_args.args[1] == (79.0, 87.0, 95.0, 96.0)  # the paper's values beside ours
     pyplot.subplots.return_value[0].savefig.assert_called_once_with(tmp_path / "p.png", dpi=120)
+
+
+def test_markdown_orders_per_layer_beside_dpsgd_and_prints_the_backprop_note(tmp_path):
+    """The per-layer baseline's row follows the flat DP-SGD row of its data set, its settings say C_l per layer; the
+    backprop section ends with the computed note on the repository's epsilons (tests/test_reproduce_backprop.py)."""
+    from bench.reproduce import report
+
+    plan = build_plan(sections=["weightclip", "backprop"], datasets=["breast_cancer", "mnist"],
+                      methods=["dpsgd", "dpsgd-per-layer", "fixed", "backprop-cnn-repo"])  # fmt: skip
+    summaries = [report.Summary(c, "ok", {**c.base, **c.grid[0]}, values=(50.0,), train_seconds=1.0,
+                                wall_seconds=2.0, epsilon_spent=c.epsilon, noise_multiplier=1.0, steps=10.0)
+                 for c in plan.cells]  # fmt: skip
+    meta = {"command": "`x`", "date": "d", "mode": "default mode", "machine": "m", "jobs": 1, "runs": 1,
+            "wall_minutes": 0.1, "commit": "c", "torch": "t", "runs_csv": "r.csv", "plot_csv": "p.csv",
+            "plot_png": "p.png", "plot_missing": "no matplotlib"}  # fmt: skip
+    report.write_markdown(tmp_path / "r.md", plan, summaries, meta)
+    lines = (tmp_path / "r.md").read_text().splitlines()
+    rows = [line.split(" | ")[0].lstrip("| ") for line in lines if line.split(" | ")[1:2] == ["breast_cancer"]]
+    assert rows == ["DP-SGD", "DP-SGD, per-layer clipping", "fixed norm (Fix-Lip-DP-SGD)"]
+    per_layer = next(line for line in lines if line.startswith("| DP-SGD, per-layer clipping | breast_cancer |"))
+    assert "C_l 1 on each of 3 layers" in per_layer and "| 77.3 |" in per_layer
+    repo = [line for line in lines if line.startswith("| backprop clipping, bias-free CNN (repo) |")]
+    assert [r.split(" | ")[2] for r in repo] == ["0.1", "0.2", "1", "3", "3.18", "23.5"]
+    assert "the repository's 'epsilon = 1' setting, jointly accounted" in repo[4] and "| ~95.0 |" in repo[4]
+    text = "\n".join(lines)
+    note = text.index("'epsilon = 1' is epsilon = 3.19")
+    assert text.index("## Backpropagation clipping") < note < text.index("## Sweeps")

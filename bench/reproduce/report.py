@@ -13,8 +13,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.reproduce import backprop_accounting, jl_rows
 from bench.reproduce.runner import COLUMNS, RELEVANT
-from bench.reproduce.specs import SECTIONS, Cell, Plan
+from bench.reproduce.specs import METHODS, SECTIONS, Cell, Plan
 
 PLOT_COLUMNS = ("section", "method", "dataset", "epsilon", "metric", "ours_mean", "ours_std", "n_seeds", "paper")
 
@@ -174,11 +175,22 @@ def settings_text(cell: Cell, point: dict | None) -> str:
              "clip_norm": "C", "max_weight_norm": "C_w", "tau": "tau", "input_clip": "C1"}  # fmt: skip
     if cell.method.variant == "backprop":
         names["clip_norm"] = "C2"
+    if cell.method.per_layer:
+        names["clip_norm"] = "C_l"
     parts = [cell.method.model + (f" ({cell.method.projection})" if cell.method.projection else "")]
     for key in RELEVANT[cell.method.variant]:
         if key in point:
             parts.append(f"{names[key]} {_num(point[key])}".strip())
+            if key == "clip_norm" and cell.method.per_layer:
+                parts[-1] += f" on each of {cell.method.per_layer} layers"
     return ", ".join(parts)
+
+
+def _table_order(rows: list[Summary]) -> list[Summary]:
+    """A section's rows by data set (in plan order), then method (in :data:`METHODS` order), then plan order."""
+    datasets = list(dict.fromkeys(s.cell.dataset for s in rows))
+    methods = list(METHODS)
+    return sorted(rows, key=lambda s: (datasets.index(s.cell.dataset), methods.index(s.cell.method.key)))
 
 
 def grid_text(cells: list[Cell]) -> str:
@@ -216,10 +228,13 @@ def write_markdown(path: Path, plan: Plan, summaries: list[Summary], meta: dict)
         "",
     ]
     for section, title in SECTIONS.items():
-        rows = [s for s in summaries if s.cell.section == section]
+        rows = _table_order([s for s in summaries if s.cell.section == section])
         if not rows:
             continue
         lines += [f"## {title}", ""]
+        if section == "jl":  # papers/03: its own tables (Fig. 3 and Table 3 computed, Fig. 4 trained)
+            lines += jl_rows.section_lines(rows, plan.full, path.with_name(f"{path.stem}_jl.csv"))
+            continue
         lines += _section_intro(section)
         header = ["method", "data set", "epsilon", "delta", "ours", "paper", "difference", "spent eps", "time/run (s)"]
         if section == "lipdp":
@@ -242,6 +257,8 @@ def write_markdown(path: Path, plan: Plan, summaries: list[Summary], meta: dict)
             cells.append(settings_text(c, s.point) + (f" ({c.note})" if c.note else ""))
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        if section == "backprop":
+            lines += backprop_accounting.note_lines()
     lines += [
         "## Sweeps",
         "",
@@ -288,19 +305,27 @@ def _section_intro(section: str) -> list[str]:
         "clipless: `lipschitz_mlp` (orthogonal LipschitzLinear + GroupSort2, no bias, input bound sqrt(d)), tau "
         "cross-entropy, per-layer noise. The paper reports the *best validation* AUROC of a Bayesian sweep "
         "(Opacus for DP-SGD).",
-        "weightclip": "breast cancer (scikit-learn), German credit and nursery (`../shared/data/uci`, one-hot). "
-        "delta = 1/n with n the whole data set (569, 1000, 12960), as in the table. DP-SGD: `mlp`, one clip C for "
-        "the whole gradient (the paper's baseline clips per layer). weightclip: `weightclip_mlp` (LipschitzLinear "
+        "weightclip": "breast cancer (scikit-learn); German credit, nursery, Adult (adult.data + adult.test, "
+        "'?' kept as a category), default of credit card clients and students' dropout (its three UCI classes) from "
+        "`../shared/data/uci`, categorical attributes one-hot. delta = 1/n with n the whole data set (569, 1000, "
+        "12960, 48842, 30000, 4424), as in the table. DP-SGD: `mlp`, one clip C for the whole gradient. DP-SGD, "
+        "per-layer clipping: the paper's baseline (its Alg. 2), each of the mlp's 3 layers clipped to its own C_l = "
+        "C, layer l's sum noised with std sigma sqrt(3) C_l: noise calibrated to the release's L2 sensitivity "
+        "sqrt(sum_l C_l^2), accounted as one Gaussian of multiplier sigma (the paper adds sigma C per layer and "
+        "accounts sigma, which under-counts: papers/01 §2). weightclip: `weightclip_mlp` (LipschitzLinear "
         "with bias, spectral norm rescaled only when above C_w, ReLU) with papers/01's defects W1-W8 fixed. "
         "fixed norm: the same network with every layer rescaled to spectral norm C_w after each step (and before "
-        "the first). The paper's MLPs have one hidden layer (140-2,120 parameters); ours have two of width 32.",
+        "the first). The paper's MLPs have one hidden layer (140-2,120 parameters); ours have two of width 32. Adult, "
+        "default credit and dropout sweep a smaller grid at one batch size and epoch count per set (*Sweeps*).",
         "backprop": "MNIST **test split only** (`../shared/data/mnist/t10k-*`; the 60,000 training images are not "
         "available offline), split 8,000 train / 2,000 test (seeded, stratified) by fastdp's `mnist` loader; the "
         "paper trains on 60,000 images, so at equal epsilon each of our examples must carry 7.5x the weight and "
         "the accuracies are not expected to match. `opacus_cnn` is the architecture of the authors' original "
         "commit (conv 16x8x8/2 pad 3, max-pool 2/1, conv 32x4x4/2, max-pool 2/1, linear 512-32-10; with biases, "
         "which backprop clipping bounds by C2); the first grid point is the authors' corrected configuration "
-        "(batch 256, 5 epochs, Adam 0.01, C1 = 3, C2 = 1e-7 x 256 per example). The linear model is a second "
+        "(batch 256, 5 epochs, Adam 0.01, C1 = 3, C2 = 1e-7 x 256 per example). `backprop_cnn` is the repository's "
+        "later bias-free model (7f38fe6: conv 16x8x8/2 and 32x4x4/2 without padding, max-pool 2/1, linear 288-32-10, "
+        "no bias: 4 parameter tensors) at that configuration alone. The linear model is a further "
         "row for context. Paper values are the corrected repository's '~x%' comments (delta = 1e-5); the paper's "
         "Table 1 (98.7% at epsilon 0.07) added noise b times too small and is not a target.",
     }[section]
@@ -311,8 +336,11 @@ STANDING_NOTES = (
     "MNIST: only the 10,000-image test split is available offline; the backprop rows train on 8,000 of those "
     "images and test on the other 2,000, against a paper that trained on 60,000.",
     "lip-dp Table 7 sets not in `../shared/data`: ALOI, celeba, census, donors, skin (not run).",
-    "papers/01 Table 1 sets not run: Adult, Default credit and Dropout (files in `../shared/data/uci`, but fastdp "
-    "has no loader for them yet) and Android (no data).",
+    "papers/01 Table 1 set not run: Android (no data).",
+    "Dropout: UCI's target has three classes (Dropout, Enrolled, Graduate) and papers/01 does not say how it used "
+    "them. Its 81.9% (Lip-DP-SGD) is above what non-private logistic regression reaches on the three classes (about "
+    "77% on our splits, seeds 0-1) and below dropout-vs-rest (about 88%), so the paper likely trained a binary "
+    "target; our rows use the three classes and are not directly comparable with it.",
     "The papers tuned with Bayesian optimisation over wider ranges (papers/00 Table 8, papers/01 Table 3) and "
     "report the best point; ours is a small grid chosen on separate tuning seeds, so differences of a few points "
     "are within what the tuning alone can explain. `--full` runs larger grids (paper batch sizes for lip-dp, more "

@@ -21,8 +21,9 @@ from fastdp.train.trainer import TrainConfig, Trainer
 
 # Training rows per data set (80% of each), only to start the longest runs first.
 _TRAIN_ROWS = {"yeast": 1187, "magic": 15216, "shuttle": 39277, "campaign": 32950, "breast_cancer": 455,
-               "german_credit": 800, "nursery": 10368, "mnist": 8000}  # fmt: skip
-_MODEL_COST = {"opacus_cnn": 30.0, "cnn": 60.0, "lipschitz_mlp": 2.5, "weightclip_mlp": 2.5}
+               "german_credit": 800, "nursery": 10368, "mnist": 8000, "adult": 39073, "default_credit": 24000,
+               "dropout": 3539}  # fmt: skip
+_MODEL_COST = {"opacus_cnn": 30.0, "backprop_cnn": 20.0, "cnn": 60.0, "lipschitz_mlp": 2.5, "weightclip_mlp": 2.5}
 
 RESULT_KEYS = ("status", "error", "value", "test_accuracy", "test_auroc", "epsilon_spent", "noise_multiplier",
                "steps", "train_seconds", "wall_seconds")  # fmt: skip
@@ -220,6 +221,7 @@ RELEVANT = {
     "clipless": ("epochs", "batch_size", "lr", "optimizer", "hidden", "tau"),
     "weightclip": ("epochs", "batch_size", "lr", "optimizer", "hidden", "max_weight_norm", "tau"),
     "backprop": ("epochs", "batch_size", "lr", "optimizer", "input_clip", "clip_norm"),
+    "jl": ("epochs", "batch_size", "lr", "optimizer", "clip_norm"),
 }
 _DEFAULTS = {k: TrainConfig.__dataclass_fields__[k].default for k in SETTINGS}
 COLUMNS = ("section", "method", "variant", "model", "projection", "dataset", "epsilon", "delta", "phase", "point",

@@ -14,6 +14,7 @@ sampling, add/remove-one adjacency, noise calibrated so that the run ends at or 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -24,30 +25,45 @@ SECTIONS: dict[str, str] = {
     "lipdp": "lip-dp (papers/00 Table 3a/7): test AUROC at epsilon = 1 on ADBench sets",
     "weightclip": "Weight clipping (papers/01 Table 1): test accuracy at the table's epsilon, delta = 1/n",
     "backprop": "Backpropagation clipping (papers/02, corrected results): MNIST test accuracy",
+    "jl": "DP-SGD-JL (papers/03 Fig. 3, Fig. 4, Table 3): epsilon against r, MNIST accuracy, largest batch",
 }
+
+
+# The DP layers of ``mlp`` at TrainConfig's depth 2: two hidden Linear layers and the classifier.
+MLP_DP_LAYERS = 3
 
 
 @dataclass(frozen=True)
 class Method:
     """A training method: a fastdp variant on a model. ``projection`` (Lipschitz models only) switches every
-    ``LipschitzLinear`` to that projection before training (``"fixed"``: Fix-Lip-DP-SGD, ||W||_2 = C always)."""
+    ``LipschitzLinear`` to that projection before training (``"fixed"``: Fix-Lip-DP-SGD, ||W||_2 = C always).
+    ``per_layer`` (DP-SGD only): the model's number of DP layers, each clipped to its own C_l = the grid's C
+    (``fastdp.algorithms.dpsgd`` per-layer clipping: layer l's sum gets noise std sigma sqrt(L) C_l, so the release
+    is one Gaussian of multiplier sigma for its L2 sensitivity sqrt(sum_l C_l^2) = sqrt(L) C)."""
 
     key: str
     label: str
     variant: str
     model: str
     projection: str | None = None
+    per_layer: int | None = None
 
 
 METHODS: dict[str, Method] = {
     m.key: m
     for m in (
         Method("dpsgd", "DP-SGD", "dpsgd", "mlp"),
+        Method("dpsgd-per-layer", "DP-SGD, per-layer clipping", "dpsgd", "mlp", per_layer=MLP_DP_LAYERS),
         Method("clipless", "clipless (lip-dp)", "clipless", "lipschitz_mlp"),
         Method("weightclip", "weightclip (Lip-DP-SGD)", "weightclip", "weightclip_mlp"),
         Method("fixed", "fixed norm (Fix-Lip-DP-SGD)", "weightclip", "weightclip_mlp", projection="fixed"),
         Method("backprop-cnn", "backprop clipping, CNN", "backprop", "opacus_cnn"),
+        Method("backprop-cnn-repo", "backprop clipping, bias-free CNN (repo)", "backprop", "backprop_cnn"),
         Method("backprop-linear", "backprop clipping, linear", "backprop", "linear"),
+        Method("dpsgd-cnn", "DP-SGD (CNN)", "dpsgd", "opacus_cnn"),
+        Method("jl-10", "DP-SGD-JL(10)", "jl", "opacus_cnn"),
+        Method("jl-20", "DP-SGD-JL(20)", "jl", "opacus_cnn"),
+        Method("jl-30", "DP-SGD-JL(30)", "jl", "opacus_cnn"),
     )
 }
 
@@ -75,8 +91,9 @@ class Cell:
         return f"{self.section}/{self.method.key}/{self.dataset}/eps={self.epsilon:g}"
 
     def config(self, point: dict, seed: int, data_dir: str | None = None) -> dict:
-        """TrainConfig keyword arguments of grid ``point`` at ``seed``."""
-        return {
+        """TrainConfig keyword arguments of grid ``point`` at ``seed`` (per-layer methods: ``clip_norm`` C becomes one
+        C_l = C per DP layer)."""
+        config = {
             **self.base,
             **point,
             "variant": self.method.variant,
@@ -88,6 +105,9 @@ class Cell:
             "reproducible_privacy_seed": seed,
             "data_dir": data_dir,
         }
+        if self.method.per_layer:
+            config["clip_norm"] = [float(config["clip_norm"])] * self.method.per_layer
+        return config
 
 
 @dataclass(frozen=True)
@@ -195,6 +215,89 @@ def _backprop_cells(full: bool) -> list[Cell]:
     return cells
 
 
+# papers/01 Table 1's larger sets: (expected batch size, epochs) per set, so that one run takes seconds on one CPU
+# thread (training rows: adult 39,073 -> 382 steps, default_credit 24,000 -> 469, dropout 3,539 -> 276).
+_WEIGHTCLIP_MORE = {"adult": (1024, 10), "default_credit": (512, 10), "dropout": (256, 20)}
+
+
+def _weightclip_more_cells(full: bool) -> list[Cell]:
+    """papers/01's per-layer-clipped DP-SGD baseline beside the flat one on breast cancer, German credit and nursery
+    (the flat DP-SGD cells' grids), and the four methods on Adult, default credit and dropout."""
+    per_layer = METHODS["dpsgd-per-layer"]
+    cells = [
+        dataclasses.replace(c, method=per_layer, paper=paper.WEIGHTCLIP.get((per_layer.key, c.dataset)))
+        for c in _weightclip_cells(full)
+        if c.method.key == "dpsgd"
+    ]
+    for dataset, (batch, epochs) in _WEIGHTCLIP_MORE.items():
+        epsilon, delta = paper.WEIGHTCLIP_EPSILON[dataset], 1.0 / paper.WEIGHTCLIP_N[dataset]
+        base = {"optimizer": "adam", "hidden": 32, "epochs": epochs, "batch_size": batch, "tau": 1.0}
+        for key in ("dpsgd", "dpsgd-per-layer", "weightclip", "fixed"):
+            bound = "max_weight_norm" if METHODS[key].variant == "weightclip" else "clip_norm"
+            if full:
+                grid = _grid(batch_size=(batch // 4, batch, 4 * batch), lr=(0.001, 0.003, 0.01),
+                             **{bound: (1.0, 3.0, 9.0)})  # fmt: skip
+            else:
+                grid = _grid(lr=(0.003, 0.01), **{bound: (1.0, 4.0)})
+            value = paper.WEIGHTCLIP.get((key, dataset))
+            cells.append(Cell("weightclip", METHODS[key], dataset, epsilon, delta, "test_accuracy", base, grid, value))
+    return cells
+
+
+def _backprop_repo_cells(full: bool) -> list[Cell]:
+    """The repository's later bias-free 4-tensor CNN (``backprop_cnn``) at its corrected configuration: at the
+    paper's epsilons, and at the joint epsilons its 'epsilon = 1' and 'epsilon = 3' settings really had
+    (``paper.BACKPROP_JOINT_EPSILON``, :mod:`bench.reproduce.backprop_accounting`) beside the accuracies it reports
+    for those settings. One grid point by default (the repository's configuration, nothing to tune)."""
+    grid = [BACKPROP_PAPER_POINT]
+    if full:
+        grid += [{**BACKPROP_PAPER_POINT, "clip_norm": 1.0}]
+        grid += list(_grid(batch_size=(1024,), epochs=(20,), lr=(0.003, 0.01), input_clip=(3.0,), clip_norm=(1.0,)))
+    targets = [(epsilon, paper.BACKPROP.get(epsilon), "") for epsilon in sorted(paper.BACKPROP)]
+    for setting, joint in paper.BACKPROP_JOINT_EPSILON.items():
+        note = f"the repository's 'epsilon = {setting:g}' setting, jointly accounted"
+        targets.append((joint, paper.BACKPROP[setting], note))
+    method, base = METHODS["backprop-cnn-repo"], {"optimizer": "adam"}
+    cells = []
+    for epsilon, value, note in targets:
+        cell = Cell("backprop", method, "mnist", epsilon, paper.BACKPROP_DELTA, "test_accuracy", base, tuple(grid),
+                    value, note)  # fmt: skip
+        cells.append(cell)
+    return cells
+
+
+# papers/03 Fig. 4 (bench.reproduce.jl_rows: the protocol): every method at DP-SGD's noise multiplier for epsilon 3
+# on our MNIST split, expected batch 512; per epoch count, (sigma, {r: the cell's epsilon}), each JL(r)'s epsilon at
+# that sigma plus 1%, rounded up (jl_rows.fig4_setting computes them; tests/test_jl_reproduce.py checks these).
+JL_FIG4 = {10: (1.424, {10: 8.12, 20: 3.71, 30: 3.37}), 20: (1.82, {10: 5.84, 20: 3.39, 30: 3.24})}
+
+
+def jl_fig4_epochs(full: bool) -> int:
+    return 20 if full else 10
+
+
+def _jl_cells(full: bool) -> list[Cell]:
+    """papers/03 Fig. 4: DP-SGD and DP-SGD-JL(r) (r = 10, 20; --full also 30) with the tutorial CNN on MNIST, all at
+    DP-SGD's sigma for epsilon 3; learning rates tuned per method. JL(3) and JL(5), the paper's smallest, are not
+    trainable at delta 1e-5 (bench.reproduce.jl_rows.fig4_setting). Fig. 3 and Table 3 are computed, not trained
+    (``jl_rows.section_lines``)."""
+    from bench.reproduce import jl_rows
+
+    epochs = jl_fig4_epochs(full)
+    sigma, targets = JL_FIG4[epochs]
+    base = {"optimizer": "sgd", "batch_size": jl_rows.FIG4_BATCH, "epochs": epochs, "clip_norm": 1.0,
+            "noise_multiplier": sigma, "accountant": "pld", "standardize": "off"}  # fmt: skip
+    grid = _grid(lr=(0.5, 1.0, 2.0, 4.0) if full else (1.0, 2.0))
+    figure = PaperValue(float("nan"), "papers/03 Fig. 4 (an image: JL(3) 'very close to', JL(20) 'almost "
+                        "indistinguishable from' DP-SGD)")  # fmt: skip
+    cells = [Cell("jl", METHODS["dpsgd-cnn"], "mnist", jl_rows.FIG4_DP_SGD_EPSILON, jl_rows.DELTA, "test_accuracy",
+                  base, grid, figure, f"sigma {sigma}")]  # fmt: skip
+    for r in jl_rows.FIG4_PROJECTIONS_FULL if full else jl_rows.FIG4_PROJECTIONS:
+        cells.append(Cell("jl", METHODS[f"jl-{r}"], "mnist", targets[r], jl_rows.DELTA, "test_accuracy",
+                          {**base, "projections": r}, grid, figure, f"sigma {sigma}, DP-SGD's"))  # fmt: skip
+    return cells
+
+
 def build_plan(
     full: bool = False,
     sections: list[str] | None = None,
@@ -213,6 +316,8 @@ def build_plan(
         if unknown:
             raise ValueError(f"unknown {name} {', '.join(unknown)}; choose from {', '.join(known)}")
     cells = _lipdp_cells(full) + _weightclip_cells(full) + _backprop_cells(full)
+    cells += _weightclip_more_cells(full) + _backprop_repo_cells(full)
+    cells += _jl_cells(full)
     cells = [
         c
         for c in cells
