@@ -74,8 +74,10 @@ def test_per_example_grads_vmap(case):
 
 
 def test_unknown_model():
-    names = ("auto, backprop_cnn, cnn, linear, lipschitz_mixer, lipschitz_mlp, lipschitz_vgg, mlp, opacus_cnn, "
-             "weightclip_cnn, weightclip_mlp")
+    names = (
+        "auto, backprop_cnn, cnn, linear, lipschitz_mixer, lipschitz_mlp, lipschitz_vgg, mlp, opacus_cnn, "
+        "weightclip_cnn, weightclip_mlp"
+    )
     with pytest.raises(ValueError, match=f"available: {names}"):
         build_model("resnet", (30,), 2)
     assert set(MODELS) == set(names.split(", "))
