@@ -4,10 +4,12 @@ Workloads: ``lipdp-cnn``, VGG5-small-like (papers/00 speed experiment: BoundedIn
 32, 64, 64 channels with GroupSort2 and L2-norm pooling, a LipschitzLinear head; CIFAR-10-shaped data) and
 ``mlp-512``, the 784-512-512-10 MLP (MNIST-shaped data): orthogonal LipschitzLinear + GroupSort2 for clipless,
 LipschitzLinear with bias, spectral norm clipped to 1, + ReLU for weightclip. Providers: ``nonprivate`` (forward,
-backward, SGD step, no projection), ``clipless`` / ``weightclip`` (the same plus the certified bounds, per-layer
-noise and the projection Pi). Beside each private step, in the same interleaved rounds: ``bounds`` (the release's
-bound computation: the carried certificates and the bound rules) and ``projection`` (Pi and the certificate of the
-weights it leaves), reported as shares of the private step. Results go to bench/results/<device>-clipless-steps.csv.
+backward, SGD step, no projection) of each variant's network (``nonprivate:weightclip`` for the ReLU MLP),
+``clipless`` / ``weightclip`` (the same plus the certified bounds, per-layer noise and the projection Pi), each
+compared with the non-private step of its own network. Beside each private step, in the same interleaved rounds:
+``bounds`` (the release's bound computation: the carried certificates and the bound rules) and ``projection`` (Pi
+and the certificate of the weights it leaves), reported as shares of the private step. Results go to
+bench/results/<device>-clipless-steps.csv.
 
 Floors (2 CPU cores): a step costs about 6 B P multiply-adds (P parameters); the projection of an n x m dense layer
 about 2 n^2 m (one float64 Gram product and one float32 product for the certified Björck step or the
@@ -63,14 +65,14 @@ WORKLOADS = {  # name -> (model builder for a variant, one example's shape, the 
 
 
 def build(workload: str, provider: str, x: torch.Tensor, y: torch.Tensor):
-    """The step closure of ``provider`` (``nonprivate``, a variant, or ``<variant>:bounds`` / ``<variant>:projection``:
-    that part of the variant's step alone) on a fresh, identically initialised model."""
+    """The step closure of ``provider`` (``nonprivate[:<variant>]``, a variant, or ``<variant>:bounds`` /
+    ``<variant>:projection``: that part of the variant's step alone) on a fresh, identically initialised model."""
     make_model, _, _ = WORKLOADS[workload]
     variant_name, _, part = provider.partition(":")
     torch.manual_seed(0)
-    model = make_model("clipless" if variant_name == "nonprivate" else variant_name).to(x.device)
-    if provider == "nonprivate":
-        return harness.nonprivate_step(model, x, y, 0.01)
+    if variant_name == "nonprivate":  # the network of the variant named after the colon (default: clipless's)
+        return harness.nonprivate_step(make_model(part or "clipless").to(x.device), x, y, 0.01)
+    model = make_model(variant_name).to(x.device)
     variant = VARIANTS[variant_name](2.0, sample_rate=x.shape[0] / 50_000, num_examples=50_000)
     if not part:
         return harness.variant_step(variant, model, x, y, 0.01)  # after_step: the projection
@@ -103,21 +105,24 @@ def main(argv: list[str] | None = None) -> int:
         make_model, shape, variants = WORKLOADS[workload]
         params = sum(p.numel() for p in make_model(variants[0]).parameters())
         print(f"{workload}: {params} parameters", flush=True)
-        providers = ["nonprivate"] + [f"{v}{part}" for v in variants for part in ("", ":bounds", ":projection")]
+        baselines = {v: "nonprivate" if v == "clipless" else f"nonprivate:{v}" for v in variants}
+        providers = list(dict.fromkeys(baselines.values()))
+        providers += [f"{v}{part}" for v in variants for part in ("", ":bounds", ":projection")]
         for b in batches:
             gen = torch.Generator().manual_seed(0)
             x = torch.randn(b, *shape, generator=gen).to(device)
             y = torch.randint(0, 10, (b,), generator=gen).to(device)
             results = harness.compare({p: functools.partial(build, workload, p, x, y) for p in providers}, device,
                                       args.repeats, warmup=1)  # fmt: skip
-            base = (results.get("nonprivate") or (None,))[0]
             for provider, result in results.items():
                 if result is None:
                     print(f"{workload} batch {b:6d} {provider:22s} out of memory", flush=True)
                     continue
                 med, p20, p80, peak = result
                 variant_name, _, part = provider.partition(":")
-                step = (results.get(variant_name) or (None,))[0] if part else None
+                own = provider if variant_name == "nonprivate" else baselines[variant_name]
+                base = (results.get(own) or (None,))[0]
+                step = (results.get(variant_name) or (None,))[0] if part and variant_name != "nonprivate" else None
                 share = f"{med / step:.3f}" if step else ""
                 ratio = med / base if base else float("nan")
                 rows.append(dict(workload=workload, params=params, provider=provider, batch=b, median_ms=f"{med:.2f}",
