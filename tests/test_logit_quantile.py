@@ -148,3 +148,21 @@ def test_trainer_runs_the_quantile_and_resumes_its_clip_value(tmp_path):
     assert float(resumed.variant.logit_clip) == described["logit_clip"]
     with pytest.raises(ValueError, match="logit-clip-quantile"):
         TrainConfig(variant="dpsgd", epsilon=1.0, logit_clip_quantile=0.5).validate()
+
+
+def test_a_loss_with_a_wrong_constant_cannot_break_the_bound():
+    """Without the quantile too, each example's logit gradient is clipped to the loss's stated constant L, so a loss
+    that understates L (or the rounding of the chain rule) cannot carry an example above the bound."""
+    from fastdp.nn.lipschitz import TauCrossEntropy
+
+    class Understated(TauCrossEntropy):
+        lipschitz = 0.01  # the true constant is sqrt(2)
+
+    model = mlp()
+    variant = Clipless(1.0, 0.5, 64, loss=Understated(), reproducible_seed=0)
+    bounds = lipschitz_bounds(model, variant.loss_fn)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i in range(6):
+        sums, _ = variant.clipped_sum(model, batch(1, scale=1e3, seed=i), i)
+        for p, s in zip(params, sums, strict=True):
+            assert float(s.norm()) <= float(bounds[p]) * (1 + 1e-6)

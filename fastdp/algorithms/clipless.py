@@ -184,23 +184,23 @@ class Clipless(Variant):
         if self.input_bound is not None:  # enforce X_0 on the inputs (a per-example projection)
             batch = Batch(clip_rows(batch.x, self.input_bound), batch.y, batch.mask)
         with exact_fp32():  # the analytic bounds leave no room for TF32/bf16 products (as for autocast, refused)
-            if self.logit_clip_quantile is None:
+            if batch.x.shape[0] == 0:
                 return summed_loss_gradients(model, self.loss_fn, batch, self._forward)
-            return self._logit_clipped_sums(model, batch)
+            logits = self._forward(model, batch.x)
+            losses = self.loss_fn(logits, batch.y) * batch.mask
+            (grad,) = torch.autograd.grad(losses.sum(), logits, retain_graph=True)
+            return self._output_sums(model, logits, grad, batch.mask), losses.detach().sum()
 
-    def _logit_clipped_sums(self, model: torch.nn.Module, batch: Batch) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The sums with each example's logit gradient clipped to C_t (and the count kept for the release)."""
-        logits = self._forward(model, batch.x)
-        losses = self.loss_fn(logits, batch.y) * batch.mask
-        (grad,) = torch.autograd.grad(losses.sum(), logits, retain_graph=True)
-        return self._clip_logit_gradients(model, logits, grad, batch.mask), losses.detach().sum()
-
-    def _clip_logit_gradients(
+    def _output_sums(
         self, model: torch.nn.Module, logits: torch.Tensor, grad: torch.Tensor, mask: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
-        """Each example's gradient w.r.t. its logits (row of ``grad``) clipped to C_t, backpropagated once; the count
-        of the real examples (``mask``) whose norm is <= C_t added to this step's count, released with its sums."""
+        """Each example's gradient w.r.t. its logits (row of ``grad``) clipped to the loss's constant L (a hair below,
+        so that the chain rule's rounding cannot carry a row above what the bound rules credit the loss with), or,
+        with ``logit_clip_quantile``, to C_t, the real examples (``mask``) with norm <= C_t added to this step's
+        count (released with its sums); then one backward through the model."""
         params = trainable_parameters(model)
+        if self.logit_clip_quantile is None:
+            return gradient_sums(params, logits, clip_rows(grad, self.loss_fn.lipschitz * CLIP_MARGIN))
         if self.logit_clip is None:  # C_0 = L: the first step clips nothing the bounds did not already cover
             self.logit_clip = torch.full((), float(self.loss_fn.lipschitz), dtype=torch.float64, device=grad.device)
         norms = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1).to(torch.float64), dim=1)
@@ -247,15 +247,10 @@ class Clipless(Variant):
             return model(clip_rows(args[0], self.input_bound))
 
     def sums_of_output(self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
-        """The front door's sums: each example's gradient w.r.t. its output row clipped to the loss's Lipschitz
-        constant (a hair below, so that rounding cannot carry it above), which is what the bound rules credit the
-        loss with, whatever loss the user computed (with ``logit_clip_quantile``: to C_t, and counted); then one
-        backward through the model."""
+        """The front door's sums: each example's gradient w.r.t. its output row clipped as in :meth:`clipped_sum`
+        (whatever loss the user computed, the bound rules credit it with L, or C_t), one backward through the model."""
         with exact_fp32():
-            if self.logit_clip_quantile is not None:  # clipped at C_t <= L instead, and counted
-                return self._clip_logit_gradients(model, output, grad)
-            bounded = clip_rows(grad, self.loss_fn.lipschitz * CLIP_MARGIN)
-            return gradient_sums(trainable_parameters(model), output, bounded)
+            return self._output_sums(model, output, grad)
 
     def check_model(self, model: torch.nn.Module) -> None:
         """The Lipschitz bound rules (their refusal names every layer without one), before the row probe."""
