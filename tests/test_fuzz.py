@@ -56,3 +56,11 @@ def test_shared_parameters_are_measured_within_their_bound():
     measured = {(o.case.architecture, o.case.variant) for o in report.outcomes if o.status == "ok"}
     assert {a for a, _ in measured} == {"tied", "reused", "tied-tokens"}
     assert {v for _, v in measured} >= {"dpsgd", "jl"}
+
+
+def test_tau_bce_models_are_fuzzed_within_their_bound():
+    """The one- and two-logit Lipschitz MLP with the tau-BCE loss (L = 1), through the variants and the front door."""
+    report = fuzz.run_fuzz(24, fuzz_seed=3, architectures_=("lipschitz-binary",),
+                           variants=("clipless", "weightclip", "front-door-clipless"))  # fmt: skip
+    assert report.passed, fuzz.format_report(report)
+    assert any(o.status == "ok" for o in report.outcomes)

@@ -233,6 +233,7 @@ class Architecture:
     vocab: int = 0
     lipschitz: bool = False
     loss: str | None = None  # clipless / weightclip: the Lipschitz loss (fastdp.nn.lipdp.LOSSES); None: tau-ce
+    classes: int = CLASSES  # the labels drawn: 0 .. classes - 1
 
 
 def _lipschitz(draw: Callable) -> Architecture:
@@ -294,6 +295,14 @@ def _lipschitz_mixer(draw: Callable) -> Architecture:
     torch.manual_seed(draw(st.integers(0, 2**16)))
     model = build_model("lipschitz_mixer", (1, 4, 4), CLASSES, hidden=4, depth=1, input_bound=4.0)
     return Architecture(model, "image", (1, 4, 4), lipschitz=True, loss=draw(st.sampled_from(FUZZ_LOSSES)))
+
+
+def _lipschitz_binary(draw: Callable) -> Architecture:
+    """A two-logit Lipschitz MLP with the tau-BCE loss (which reads z = (z_1 - z_0) / sqrt(2)) on labels 0 and 1; the
+    other variants train it with cross-entropy on its two classes."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    model = nn.Sequential(BoundedInput(4.0), LipschitzLinear(5, 8), GroupSort2(), LipschitzLinear(8, 2))
+    return Architecture(model, "vector", (5,), lipschitz=True, loss="tau-bce", classes=2)
 
 
 def architectures() -> dict[str, Callable]:
@@ -372,12 +381,13 @@ def architectures() -> dict[str, Callable]:
         "weightclip-layers": _weightclip_layers,
         "lipschitz-cnn": _lipschitz_cnn,
         "lipschitz-mixer": _lipschitz_mixer,
+        "lipschitz-binary": _lipschitz_binary,
     }
 
 
 ARCHITECTURES = tuple(architectures())
 # the clipless and weightclip variants' usual draws
-LIPSCHITZ_ARCHITECTURES = ("lipschitz", "weightclip-layers", "lipschitz-cnn", "lipschitz-mixer")
+LIPSCHITZ_ARCHITECTURES = ("lipschitz", "weightclip-layers", "lipschitz-cnn", "lipschitz-mixer", "lipschitz-binary")
 # architecture -> the variants that must refuse it (no outcome but "refused" is correct): a layer on a [T, B, d] view
 # with T == B, for the variants that norm, project or clip a layer's rows per example (the reference mode takes each
 # example's loss, which the view does not mix: measured instead); batch statistics in eval mode, for every one.
@@ -538,7 +548,7 @@ def fuzz_case(case: FuzzCase, draw_architecture: Callable) -> Outcome:
         torch.manual_seed(case.seed)
         model = build_model("weightclip_mlp", arch.shape, CLASSES, hidden=8, input_bound=4.0).to(dtype)
     x = _inputs(arch, case.rows, gen, dtype)  # a model cast to bf16 gets bf16 data, as its user would give it
-    y = torch.randint(0, CLASSES, (case.rows,), generator=gen)
+    y = torch.randint(0, arch.classes, (case.rows,), generator=gen)
     target = _attack(arch, x, case.attack, case.scale, gen)
     copies = 3 if case.attack == "copies" else 0
     if case.attack == "copies" and arch.kind != "tokens":
