@@ -44,6 +44,7 @@ from fastdp.nn.lipschitz import (
     _forward_bounds,
     _l2_norm,
     _unsupported,
+    fraction_up,
     mul_up,
 )
 
@@ -62,12 +63,6 @@ __all__ = [
     "lipschitz_loss",
     "loss_from_config",
 ]
-
-
-def _up(exact: Fraction) -> float:
-    """The float64 nearest ``exact``, or the next one up if that is below it: an upper bound, rounded up."""
-    value = float(exact)
-    return math.nextafter(value, math.inf) if Fraction(value) < exact else value
 
 
 def _batch_dim_refused(layer: str, dim: int, ndim: int) -> int:
@@ -264,7 +259,7 @@ class KCosineSimilarity(LipschitzLoss):
         if not (isinstance(k, (int, float)) and math.isfinite(k) and k > 0):
             raise ValueError(f"KCosineSimilarity: K must be finite and > 0, got {k!r}")
         self.k = float(k)
-        self.lipschitz = _up(1 / (Fraction(self.k) * max(Fraction(1), Fraction(self.k))))
+        self.lipschitz = fraction_up(1 / (Fraction(self.k) * max(Fraction(1), Fraction(self.k))))
 
     def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if logits.dim() != 2:

@@ -96,6 +96,17 @@ def _float_up(result: float, exact: Fraction) -> float:
     return math.nextafter(result, _INF) if Fraction(result) < exact else result
 
 
+def fraction_up(exact: Fraction) -> float:
+    """An upper bound on an exact rational: the nearest float64, or the next one up if that is below it."""
+    return _float_up(float(exact), exact)
+
+
+def conv_root_overlap(kernel_size: int, stride: int, dilation: int) -> int:
+    """sqrt(m), exactly, for m the most patches of a square convolution one input pixel belongs to: ceil(k / s)^2, or
+    k^2 with dilation (a square of an integer either way)."""
+    return kernel_size if dilation != 1 else -(-kernel_size // stride)
+
+
 def mul_up(a: Bound, b: Bound) -> Bound:
     """An upper bound on a * b (bounds >= 0): float64, rounded up."""
     a, b = _as64(a), _as64(b)
@@ -404,14 +415,8 @@ class LipschitzConv2d(LipschitzModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, self.weight, None, self.stride, self.padding, self.dilation)
 
-    def _overlap(self) -> int:
-        k = self.kernel_size
-        return k * k if self.dilation != 1 else math.ceil(k / self.stride) ** 2
-
     def _root_overlap(self) -> int:
-        """sqrt(m), exactly: m is the square of an integer (k, or ceil(k / s))."""
-        k = self.kernel_size
-        return k if self.dilation != 1 else -(-k // self.stride)
+        return conv_root_overlap(self.kernel_size, self.stride, self.dilation)
 
     def _factor(self) -> torch.Tensor:
         matrix = self.weight.detach().reshape(self.weight.shape[0], -1)

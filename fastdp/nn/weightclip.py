@@ -38,6 +38,8 @@ from fastdp.nn.lipschitz import (
     _forward_bounds,
     _minimum,
     add_up,
+    conv_root_overlap,
+    fraction_up,
     mul_up,
     norm_up,
     sqrt_up,
@@ -47,13 +49,6 @@ from fastdp.ops import certified_spectral_norm
 __all__ = ["LipschitzGroupNorm", "LipschitzSigmoid", "LipschitzTanh", "ResidualSum", "WeightClipConv2d"]
 
 CONV_PROJECTIONS = ("clip", "fixed")
-
-
-def _reciprocal_up(a: float) -> float:
-    """An upper bound on 1 / a (a finite float > 0): the float64 nearest, or the next one up if that is below it."""
-    exact = 1 / Fraction(a)
-    r = 1.0 / a
-    return math.nextafter(r, math.inf) if Fraction(r) < exact else r
 
 
 def _features(x: torch.Tensor) -> int:
@@ -147,9 +142,7 @@ class WeightClipConv2d(LipschitzModule):
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
 
     def _root_overlap(self) -> int:
-        """sqrt(m), exactly: m is the square of an integer (k, or ceil(k / s))."""
-        k = self.kernel_size
-        return k if self.dilation != 1 else -(-k // self.stride)
+        return conv_root_overlap(self.kernel_size, self.stride, self.dilation)
 
     def _matrix_norm(self) -> torch.Tensor:
         matrix = self.weight.detach().reshape(self.weight.shape[0], -1)
@@ -233,7 +226,7 @@ class LipschitzGroupNorm(LipschitzModule):
         self.num_groups, self.num_channels, self.alpha = int(num_groups), int(num_channels), float(alpha)
         self.spatial_shape = None if spatial_shape is None else tuple(int(s) for s in spatial_shape)
         self.features = None if spatial_shape is None else self.num_channels * math.prod(self.spatial_shape)
-        self.inverse_alpha = _reciprocal_up(self.alpha)
+        self.inverse_alpha = fraction_up(1 / Fraction(self.alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[1] != self.num_channels:
