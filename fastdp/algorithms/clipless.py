@@ -100,18 +100,28 @@ class Clipless(Variant):
         self.logit_clip: torch.Tensor | None = None  # C_t (float64 0-d, on the model's device), set at the first step
         self._count: torch.Tensor | None = None  # this step's count of examples under C_t, until its release
         self.logit_clip_lr = float(logit_clip_lr)
-        self.count_noise_multiplier, self.gradient_noise_multiplier = self._split_noise(count_noise_multiplier)
+        self.count_noise_multiplier = self._count_noise(count_noise_multiplier)
 
-    def _split_noise(self, count_noise_multiplier: float | None) -> tuple[float, float]:
-        """(sigma_c, sigma_g): the count's and the sums' multipliers, whose joint mechanism has the effective
-        ``noise_multiplier`` sigma (module docstring); (inf, sigma) without logit-clip quantile."""
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """sigma_g, the sums' multiplier: with the count's sigma_c, the joint mechanism has the effective
+        ``noise_multiplier`` sigma (module docstring); sigma itself without logit-clip quantile. Derived from sigma
+        every time, so a copy with sigma = 0 (the audit's noiseless release) releases without noise."""
+        sigma = self.noise_multiplier
+        if self.logit_clip_quantile is None or sigma == 0:
+            return sigma
+        # 1 + 2**-40 covers the float rounding of the formula: the joint multiplier is never below sigma
+        return (sigma**-2 - self.count_noise_multiplier**-2) ** -0.5 * (1 + 2.0**-40)
+
+    def _count_noise(self, count_noise_multiplier: float | None) -> float:
+        """sigma_c, the count's multiplier (checked); inf without logit-clip quantile."""
         q = self.logit_clip_quantile
         if q is None:
             if count_noise_multiplier is not None:
                 raise ValueError(
                     "count_noise_multiplier is the noise of the logit-clip count: give logit_clip_quantile"
                 )
-            return math.inf, self.noise_multiplier
+            return math.inf
         if isinstance(q, bool) or not (isinstance(q, (int, float)) and 0 < q < 1):
             raise ValueError(f"logit_clip_quantile must be in (0, 1), got {q!r}")
         if not (math.isfinite(self.logit_clip_lr) and self.logit_clip_lr > 0):
@@ -125,10 +135,7 @@ class Clipless(Variant):
                 f"({self.noise_multiplier}): the count and the sums share it, sigma^-2 = sigma_g^-2 + sigma_c^-2. Give "
                 "a larger count_noise_multiplier (default: the larger of expected batch size / 20 and 4 sigma)"
             )
-        sigma = self.noise_multiplier
-        # 1 + 2**-40 covers the float rounding of the formula: the joint multiplier is never below sigma
-        sigma_g = 0.0 if sigma == 0 else (sigma**-2 - sigma_c**-2) ** -0.5 * (1 + 2.0**-40)
-        return float(sigma_c), sigma_g
+        return float(sigma_c)
 
     @classmethod
     def from_config(cls, config, *, noise_multiplier, sample_rate, num_examples, noise_seed) -> Clipless:

@@ -194,10 +194,11 @@ def expected_claim(variant: Variant, model: nn.Module) -> Expectation | None:
         bounds = _lipschitz_chain_bounds(variant, model, params)
         if bounds is None:
             return None
+        sigma = variant.gradient_noise_multiplier  # sigma itself unless the logit-clip count shares the step's noise
         if variant.strategy == "global":
-            stds = (variant.noise_multiplier * math.sqrt(sum(d * d for d in bounds)),) * n
+            stds = (sigma * math.sqrt(sum(d * d for d in bounds)),) * n
         else:
-            stds = tuple(variant.noise_multiplier * math.sqrt(n) * d for d in bounds)
+            stds = tuple(sigma * math.sqrt(n) * d for d in bounds)
         how = "Lipschitz chain bounds from exact spectral norms (Bethune et al.; Barczewski and Ramon)"
         return Expectation(tuple((i,) for i in range(n)), tuple(bounds), stds, *CERTIFIED, how)
     return None
@@ -243,6 +244,8 @@ def _lipschitz_chain_bounds(variant: Clipless, model: nn.Module, params: list[nn
         elif not isinstance(layer, (nn.Flatten, nn.ReLU, GroupSort2)):
             return None
     g_bound = math.sqrt(2.0)  # ||softmax(tau z) - onehot(y)|| <= sqrt(2), divided by tau and multiplied by tau
+    if variant.logit_clip is not None:  # logit-clip quantile: each example's logit gradient clipped to C_t
+        g_bound = min(g_bound, float(variant.logit_clip))
     bounds: dict[int, float] = {}
     for layer, x_in in reversed(inputs):
         bounds[id(layer.weight)] = g_bound * x_in

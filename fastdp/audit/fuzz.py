@@ -56,7 +56,8 @@ from fastdp.train.models import build_model
 # through fastdp.PrivacyEngine, the user's own loop: front-door kind -> the variant behind it
 FRONT_DOOR = {"front-door": "dpsgd", "front-door-jl": "jl", "front-door-backprop": "backprop",
               "front-door-clipless": "clipless", "front-door-weightclip": "weightclip"}  # fmt: skip
-VARIANTS = ("dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "backprop", "clipless", "weightclip", *FRONT_DOOR)
+VARIANTS = ("dpsgd", "dpsgd-reference", "dpsgd-per-layer", "jl", "backprop", "clipless", "clipless-quantile",
+            "weightclip", *FRONT_DOOR)  # fmt: skip
 PRECISIONS = ("fp64", "fp32", "bf16", "param-bf16")
 AUTOCAST = ("dpsgd", "dpsgd-per-layer", "front-door")  # the variants that train under bf16 autocast
 STATUSES = ("ok", "refused", "stopped", "violation", "open", "crash", "must-refuse")
@@ -430,6 +431,14 @@ class Outcome:
         return self.status in ("violation", "crash", "must-refuse")
 
 
+def _quantile_clipless(q: float, n: int, loss) -> Clipless:
+    """Clipless with the logit-clip quantile, its clip value already at a quarter of the loss's constant (so the
+    clip, not the constant, bounds each example)."""
+    variant = Clipless(1.0, q, n, loss=loss, reproducible_seed=KEY, logit_clip_quantile=0.5)
+    variant.logit_clip = torch.tensor(0.25 * float(variant.loss_fn.lipschitz), dtype=torch.float64)
+    return variant
+
+
 def _variant(name: str, expected_batch: float, num_examples: int, model: nn.Module, loss: str | None = None) -> Variant:
     q, n = expected_batch / num_examples, num_examples
     lipschitz = None if loss is None else lipschitz_loss(loss)  # clipless, weightclip: the architecture's loss
@@ -442,6 +451,7 @@ def _variant(name: str, expected_batch: float, num_examples: int, model: nn.Modu
         "jl": lambda: JL(1.0, 1.0, q, n, projections=4, reproducible_seed=KEY),
         "backprop": lambda: BackpropClip(1.0, 1.0, 1.0, q, n, reproducible_seed=KEY),
         "clipless": lambda: Clipless(1.0, q, n, loss=lipschitz, reproducible_seed=KEY),
+        "clipless-quantile": lambda: _quantile_clipless(q, n, lipschitz),
         "weightclip": lambda: WeightClip(1.0, q, n, loss=lipschitz, reproducible_seed=KEY),
     }[name]()
 
@@ -636,7 +646,7 @@ def cases(draw, variants=VARIANTS, precisions=PRECISIONS, architectures_=ARCHITE
     """(FuzzCase, architecture draw) pairs."""
     builders = architectures()
     variant = draw(st.sampled_from(variants))
-    lipschitz = FRONT_DOOR.get(variant, variant) in ("clipless", "weightclip")
+    lipschitz = FRONT_DOOR.get(variant, variant) in ("clipless", "clipless-quantile", "weightclip")
     usual = [a for a in architectures_ if (a in LIPSCHITZ_ARCHITECTURES) == lipschitz] or list(architectures_)
     name = draw(st.sampled_from(usual)) if draw(st.integers(0, 9)) else draw(st.sampled_from(architectures_))
     case = FuzzCase(
