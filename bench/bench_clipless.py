@@ -14,9 +14,11 @@ bench/results/<device>-clipless-steps.csv.
 Floors (2 CPU cores): a step costs about 6 B P multiply-adds (P parameters); the projection of an n x m dense layer
 about 2 n^2 m (one float64 Gram product and one float32 product for the certified Björck step or the
 Cholesky-checked rescaling), whatever the batch: the projection's share is about 2 n / (3 B) of a non-private
-step per dense layer (1.33 for n = 512 at B = 256, 0.08 at B = 4096).
+step per dense layer (1.33 for n = 512 at B = 256, 0.08 at B = 4096). ``--project-every K ...`` adds providers
+``<variant>@K`` (the variant projecting after every K-th step only): each timed call runs K steps, one of them
+projected, and the time is reported per step.
 
-    python bench/bench_clipless.py --batches 256 1024 4096
+    python bench/bench_clipless.py --batches 256 1024 4096 --project-every 4 16
 """
 
 from __future__ import annotations
@@ -65,17 +67,26 @@ WORKLOADS = {  # name -> (model builder for a variant, one example's shape, the 
 
 
 def build(workload: str, provider: str, x: torch.Tensor, y: torch.Tensor):
-    """The step closure of ``provider`` (``nonprivate[:<variant>]``, a variant, or ``<variant>:bounds`` /
-    ``<variant>:projection``: that part of the variant's step alone) on a fresh, identically initialised model."""
+    """The step closure of ``provider`` (``nonprivate[:<variant>]``, a variant, ``<variant>@K``: K steps of the
+    variant projecting after every K-th, or ``<variant>:bounds`` / ``<variant>:projection``: that part of the
+    variant's step alone) on a fresh, identically initialised model."""
     make_model, _, _ = WORKLOADS[workload]
+    provider, _, every = provider.partition("@")
     variant_name, _, part = provider.partition(":")
     torch.manual_seed(0)
     if variant_name == "nonprivate":  # the network of the variant named after the colon (default: clipless's)
         return harness.nonprivate_step(make_model(part or "clipless").to(x.device), x, y, 0.01)
     model = make_model(variant_name).to(x.device)
-    variant = VARIANTS[variant_name](2.0, sample_rate=x.shape[0] / 50_000, num_examples=50_000)
+    k = int(every or 1)
+    variant = VARIANTS[variant_name](2.0, sample_rate=x.shape[0] / 50_000, num_examples=50_000, project_every=k)
     if not part:
-        return harness.variant_step(variant, model, x, y, 0.01)  # after_step: the projection
+        step = harness.variant_step(variant, model, x, y, 0.01)  # after_step: the projection (every k-th step)
+
+        def steps():
+            for _ in range(k):
+                step()
+
+        return steps if k > 1 else step
 
     def bounds():
         with torch.no_grad(), deferred_finite_checks():
@@ -95,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--batches", nargs="+", type=int, default=None, help="default: 256 1024 4096 (CPU), to 50000")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--project-every",
+        nargs="*",
+        type=int,
+        default=[],
+        metavar="K",
+        help="also time each variant projecting after every K-th step only (per step)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -108,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         baselines = {v: "nonprivate" if v == "clipless" else f"nonprivate:{v}" for v in variants}
         providers = list(dict.fromkeys(baselines.values()))
         providers += [f"{v}{part}" for v in variants for part in ("", ":bounds", ":projection")]
+        providers += [f"{v}@{k}" for v in variants for k in args.project_every if k > 1]
         for b in batches:
             gen = torch.Generator().manual_seed(0)
             x = torch.randn(b, *shape, generator=gen).to(device)
@@ -119,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{workload} batch {b:6d} {provider:22s} out of memory", flush=True)
                     continue
                 med, p20, p80, peak = result
-                variant_name, _, part = provider.partition(":")
+                name, _, every = provider.partition("@")
+                med, p20, p80 = (t / int(every or 1) for t in (med, p20, p80))  # per step
+                variant_name, _, part = name.partition(":")
                 own = provider if variant_name == "nonprivate" else baselines[variant_name]
                 base = (results.get(own) or (None,))[0]
                 step = (results.get(variant_name) or (None,))[0] if part and variant_name != "nonprivate" else None

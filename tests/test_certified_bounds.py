@@ -258,3 +258,26 @@ def test_a_saved_certificate_is_adopted_only_when_it_holds_for_the_loaded_weight
     swapped = dict(state, weight=3 * state["weight"])  # weights that the saved bound does not cover
     victim.load_state_dict(swapped)
     assert float(victim.lipschitz()) >= sigma(victim.weight)
+
+
+def test_a_saved_snapshot_carries_its_bound_and_a_forged_one_cannot_lower_it():
+    """Saved between projections, the state dict holds the weights the bound certifies (the snapshot): the loaded
+    layer carries bound + ||W - snapshot||_F exactly as the saved one did; a forged snapshot (zeros, with the bound 0
+    that it does satisfy) is proven and then carries ||W||_F, still above ||W||_2."""
+    torch.manual_seed(3)
+    layer = LipschitzLinear(20, 12)
+    layer.lipschitz()
+    with torch.no_grad():
+        layer.weight.add_(0.05 * torch.randn(12, 20))  # a step without projection: the carried bound
+    state = layer.state_dict()
+    assert not torch.equal(state["_certified_weight"], state["weight"])
+    fresh = LipschitzLinear(20, 12)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.lipschitz(), layer.lipschitz())
+    forged = dict(state, _certified_weight=torch.zeros(12, 20), _certified_norm=torch.zeros((), dtype=torch.float64))
+    victim = LipschitzLinear(20, 12)
+    victim.load_state_dict(forged)
+    assert float(victim.lipschitz()) >= sigma(victim.weight)
+    for bad in (torch.zeros(3, 3), torch.zeros(12, 20, dtype=torch.float64), "x"):  # unusable: the weights instead
+        victim.load_state_dict(dict(state, _certified_weight=bad))
+        assert float(victim.lipschitz()) >= sigma(victim.weight)

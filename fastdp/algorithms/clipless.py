@@ -14,6 +14,12 @@ Adjacency add/remove-one. After the optimizer step the projection Pi restores th
 (post-processing of a private output: no privacy cost). The bounds are those of the current (private) weights, every
 step (certified, carried across steps: ``fastdp.nn.lipschitz.LipschitzLinear``).
 
+``project_every=k`` projects after every k-th step only. The projection costs about 2 n^2 m per n x m dense layer
+whatever the batch (2 n / (3 B) of a step), so at small batches it dominates; between projections every bound is
+still certified for the weights as they are (a dense layer's carried certificate plus ||W - W_certified||_F, a
+convolution's Gram iteration, a bias's norm), only looser, so the noise grows with the drift: a trade of noise for
+time, measured in docs/performance.md. Privacy does not depend on k.
+
 Logit-gradient clipping at a private quantile (``logit_clip_quantile``; Béthune et al. 2024 section 3.1, adaptive as
 in Andrew et al. 2021): each example's loss gradient w.r.t. the logits is clipped to C_t, so the bound rules start
 from min(L, C_t) instead of L; C_t follows the quantile q of the batch's logit-gradient norms. That reads private
@@ -76,6 +82,7 @@ class Clipless(Variant):
         logit_clip_quantile: float | None = None,
         count_noise_multiplier: float | None = None,
         logit_clip_lr: float = 0.2,
+        project_every: int = 1,
     ) -> None:
         loss = loss or TauCrossEntropy()
         if not isinstance(loss, LipschitzLoss):
@@ -101,6 +108,11 @@ class Clipless(Variant):
         self._count: torch.Tensor | None = None  # this step's count of examples under C_t, until its release
         self.logit_clip_lr = float(logit_clip_lr)
         self.count_noise_multiplier = self._count_noise(count_noise_multiplier)
+        if isinstance(project_every, bool) or not isinstance(project_every, int) or project_every < 1:
+            raise ValueError(f"project_every must be an int >= 1 (project after every k-th step), got "
+                             f"{project_every!r}")  # fmt: skip
+        self.project_every = project_every
+        self.steps_since_projection = 0
 
     @property
     def gradient_noise_multiplier(self) -> float:
@@ -142,15 +154,25 @@ class Clipless(Variant):
         # the input bound X_0 lives in the model (BoundedInput, see fastdp.train.models); the loss: config.loss
         return cls(noise_multiplier, sample_rate, num_examples, loss=loss_from_config(config),
                    strategy=config.noise_strategy, reproducible_seed=noise_seed,
-                   logit_clip_quantile=getattr(config, "logit_clip_quantile", None))  # fmt: skip
+                   logit_clip_quantile=getattr(config, "logit_clip_quantile", None),
+                   project_every=getattr(config, "project_every", 1))  # fmt: skip
 
     def checkpoint_state(self) -> dict:
-        """What a resumed run needs beyond the model and optimizer: the logit clip value C_t (a released value)."""
-        return {} if self.logit_clip is None else {"logit_clip": float(self.logit_clip)}
+        """What a resumed run needs beyond the model and optimizer: the logit clip value C_t (a released value) and,
+        with ``project_every`` > 1, the steps since the last projection (a resumed run projects on the same steps)."""
+        state = {} if self.logit_clip is None else {"logit_clip": float(self.logit_clip)}
+        if self.project_every > 1:
+            state["steps_since_projection"] = self.steps_since_projection
+        return state
 
     def restore_checkpoint_state(self, state: dict) -> None:
         """Adopt a saved C_t. Any value in [1e-6 L, L] is safe (the clip enforces it and the bounds use it); others
         are refused."""
+        steps = state.get("steps_since_projection", 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < self.project_every:
+            raise ValueError(f"a saved count of steps since the last projection must be an int in [0, project_every = "
+                             f"{self.project_every}), got {steps!r}")  # fmt: skip
+        self.steps_since_projection = steps
         clip = state.get("logit_clip")
         if clip is None:
             return
@@ -265,6 +287,10 @@ class Clipless(Variant):
             self.noise_stds(model)
 
     def after_step(self, model: torch.nn.Module) -> None:
+        self.steps_since_projection += 1
+        if self.steps_since_projection < self.project_every:
+            return
+        self.steps_since_projection = 0
         with deferred_finite_checks():
             project_(model)
 
@@ -286,6 +312,7 @@ class Clipless(Variant):
             "logit_clip": None if self.logit_clip is None else float(self.logit_clip),
             "count_noise_multiplier": None if self.logit_clip_quantile is None else self.count_noise_multiplier,
             "gradient_noise_multiplier": self.gradient_noise_multiplier,
+            "project_every": self.project_every,
             "privacy_randomness": self.keys.label,
         }
 

@@ -12,7 +12,8 @@ their proofs):
 * ``carry``: :func:`fastdp.ops.frobenius_distance_up`: ||w||_2 + ||d||_F against ||w + d||_2;
 * ``training``: clipless and weight-clipping MLPs trained with random learning rates (up to updates larger than the
   weights), with the weights tampered with between steps (``.data`` writes that bypass autograd's version counter,
-  a dtype round trip, a single huge entry): at every release and after every projection, each layer's
+  a dtype round trip, a single huge entry), projecting after every step or every second or third (``project_every``:
+  the bounds carried across unprojected steps): at every release and after every projection, each layer's
   ``lipschitz()`` (what the noise is calibrated to) against the SVD of the weights it describes.
 
 Matrix families (:data:`FAMILIES`): Gaussian, orthogonal plus a perturbation (the clipless regime), rank one,
@@ -182,10 +183,12 @@ def _training_checks(report: BoundReport, variant_name: str, gen: torch.Generato
     lr = float(10 ** torch.empty(()).uniform_(-3, 1, generator=gen))
     rows = int(torch.randint(4, 64, (), generator=gen))
     cls = Clipless if variant_name == "clipless" else WeightClip
-    variant = cls(1.0, sample_rate=0.5, num_examples=2 * rows, reproducible_seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     tamper = ("none", "data-write", "round-trip", "spike")[int(torch.randint(0, 4, (), generator=gen))]
-    case = f"{variant_name} widths {widths} {str(dtype).removeprefix('torch.')} lr {lr:.3g} tamper {tamper}"
+    every = int(torch.randint(1, 4, (), generator=gen))  # project_every: bounds carried across unprojected steps
+    variant = cls(1.0, sample_rate=0.5, num_examples=2 * rows, reproducible_seed=0, project_every=every)
+    case = (f"{variant_name} widths {widths} {str(dtype).removeprefix('torch.')} lr {lr:.3g} tamper {tamper} "
+            f"project every {every}")  # fmt: skip
     for step in range(steps):
         x = torch.randn(rows, widths[0], generator=gen, dtype=torch.float64).to(dtype) * 3
         y = torch.randint(0, 3, (rows,), generator=gen)

@@ -203,7 +203,12 @@ def save_checkpoint(
             "mode": "reproducible" if reproducible else "os-entropy",
             "last_released": None if keys is None else keys.last_released,
         },
-        "variant_state": {} if nonfinite is None else {"nonfinite_examples": int(nonfinite)},
+        # what the variant carries across steps (e.g. clipless's steps since the last projection) and the count of
+        # examples skipped for non-finite gradients
+        "variant_state": {
+            **dp.variant.checkpoint_state(),
+            **({} if nonfinite is None else {"nonfinite_examples": int(nonfinite)}),
+        },
         "extra": entries,
     }
     if hasattr(path, "write"):
@@ -347,7 +352,10 @@ def load_checkpoint(
         keys.last_released = steps_taken - 1  # a reproducible key refuses a step at or below it (no key served twice)
     if sampler is not None and saved_sampler is not None:
         sampler.load_state_dict(saved_sampler)
-    if "nonfinite_examples" in state["variant_state"] and hasattr(dp.variant, "nonfinite_examples"):
-        dp.variant.nonfinite_examples = int(state["variant_state"]["nonfinite_examples"])
+    variant_state = dict(state["variant_state"])
+    nonfinite = variant_state.pop("nonfinite_examples", None)
+    if nonfinite is not None and hasattr(dp.variant, "nonfinite_examples"):
+        dp.variant.nonfinite_examples = int(nonfinite)
+    dp.variant.restore_checkpoint_state(variant_state)
     model.load_state_dict(state["model"])
     return state["extra"]

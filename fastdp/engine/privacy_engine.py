@@ -44,7 +44,8 @@ What differs, and why:
     loss's Lipschitz constant: sqrt(2) for cross-entropy, the default; a ``fastdp.nn.lipschitz.LipschitzLoss``
     passed as ``criterion`` gives its own), enforced by clipping that gradient, so any loss the user computes is
     covered; ``input_bound`` X_0 (else the model starts with ``BoundedInput``); ``noise_strategy`` "per-layer" or
-    "global". ``max_grad_norm`` is refused (nothing is clipped to it).
+    "global"; ``project_every`` k (project the weights after every k-th step only: ``fastdp.algorithms.clipless``).
+    ``max_grad_norm`` is refused (nothing is clipped to it).
   - "backprop" (backpropagation clipping): ``input_clip`` C1 and ``grad_clip`` C2 (each layer's inputs and
     upstream gradients, per example); ``max_grad_norm`` is refused.
 
@@ -132,6 +133,7 @@ class PrivacyEngine:
         output_grad_bound: float | None = None,
         input_bound: float | None = None,
         noise_strategy: str = "per-layer",
+        project_every: int = 1,
         input_clip: float | None = None,
         grad_clip: float | None = None,
         reproducible_seed: int | None = None,
@@ -144,7 +146,7 @@ class PrivacyEngine:
         ``noise_multiplier`` sigma: noise std / sensitivity on the summed gradients (the accounted multiplier).
         ``max_grad_norm`` C ("dpsgd", "jl"): one bound, or one per DP layer (``clipping="per_layer"``, in
         ``model.modules()`` order). ``variant`` and its bound parameters (``projections``; ``output_grad_bound``,
-        ``input_bound``, ``noise_strategy``; ``input_clip``, ``grad_clip``): module docstring.
+        ``input_bound``, ``noise_strategy``, ``project_every``; ``input_clip``, ``grad_clip``): module docstring.
         ``reproducible_seed``: NOT FOR RELEASE (module docstring)."""
         if kwargs:
             raise TypeError(f"make_private got unexpected arguments: {', '.join(sorted(kwargs))}")
@@ -197,7 +199,8 @@ class PrivacyEngine:
                              "and the batches; drop it (privacy draws then come from OS entropy)")  # fmt: skip
         bounds = {"max_grad_norm": max_grad_norm, "projections": projections, "criterion": criterion,
                   "output_grad_bound": output_grad_bound, "input_bound": input_bound,
-                  "noise_strategy": noise_strategy, "input_clip": input_clip, "grad_clip": grad_clip}  # fmt: skip
+                  "noise_strategy": noise_strategy, "project_every": project_every, "input_clip": input_clip,
+                  "grad_clip": grad_clip}  # fmt: skip
         parallel = DataParallel.current()
         if parallel is not None:  # under torchrun: the same run on every process, rank 0's initial model
             first = next(iter(module.parameters()), None)
@@ -229,9 +232,9 @@ class PrivacyEngine:
         """(the variant ``name`` with its bound parameters from ``bounds``, its JL projections r for the
         accountant); refuses bound parameters that belong to another variant."""
         own = {"dpsgd": ("max_grad_norm",), "jl": ("max_grad_norm", "projections"),
-               "clipless": ("criterion", "output_grad_bound", "input_bound", "noise_strategy"),
+               "clipless": ("criterion", "output_grad_bound", "input_bound", "noise_strategy", "project_every"),
                "backprop": ("input_clip", "grad_clip")}[name if name != "weightclip" else "clipless"]  # fmt: skip
-        defaults = {"projections": 10, "noise_strategy": "per-layer"}
+        defaults = {"projections": 10, "noise_strategy": "per-layer", "project_every": 1}
         foreign = [k for k, v in bounds.items() if k not in own and k != "criterion" and k != "max_grad_norm"
                    and v is not None and v != defaults.get(k)]  # fmt: skip
         if foreign:
@@ -256,7 +259,7 @@ class PrivacyEngine:
         loss = _lipschitz_loss(bounds["criterion"], bounds["output_grad_bound"])
         cls = Clipless if name == "clipless" else WeightClip
         return cls(sigma, q, n, input_bound=bounds["input_bound"], loss=loss, strategy=bounds["noise_strategy"],
-                   reproducible_seed=seed), math.inf  # fmt: skip
+                   reproducible_seed=seed, project_every=bounds["project_every"]), math.inf  # fmt: skip
 
     def make_private_with_epsilon(
         self,

@@ -284,15 +284,31 @@ class LipschitzLinear(LipschitzModule):
         # warm start of the Cholesky-checked estimate (clip, fixed); any vector is safe, the check certifies
         self.register_buffer("_lanczos", torch.zeros(min(in_features, out_features), dtype=torch.float64))
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # the weights the saved bound certifies (those of the last projection): with them a resumed run carries the
+        # same bound as the uninterrupted one when it resumes between projections (``project_every`` > 1)
+        w = self.weight.detach()
+        snapshot = self._certificate[0] if self._certificate is not None else w
+        fits = snapshot.shape == w.shape and snapshot.dtype == w.dtype
+        destination[prefix + "_certified_weight"] = (snapshot if fits else w).clone()
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         state_dict.pop(prefix + "_u", None)  # the power-iteration vector of earlier checkpoints, now unused
         for name in ("_certified_norm", "_lanczos"):  # earlier checkpoints have no certificate: none, a cold start
             state_dict.setdefault(prefix + name, getattr(self, name).new_full(getattr(self, name).shape, -1.0))
+        snapshot = state_dict.pop(prefix + "_certified_weight", None)  # earlier checkpoints: the weights themselves
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._certificate = None
+        w = self.weight.detach()
+        if not (isinstance(snapshot, torch.Tensor) and snapshot.shape == w.shape and snapshot.dtype == w.dtype):
+            snapshot = w
+        snapshot = snapshot.detach().to(w.device, copy=True)
         bound = self._certified_norm
-        if bound.dtype == torch.float64 and bool(certify_norm_at_most(self.weight.detach(), bound)):
-            self._certificate = (self.weight.detach().clone(), bound.clone())
+        # whatever the file says, the bound is adopted only once proven for the snapshot; the release then reads
+        # bound + ||W - snapshot||_F, an upper bound on ||W||_2 for any loaded W
+        if bound.dtype == torch.float64 and bool(certify_norm_at_most(snapshot, bound)):
+            self._certificate = (snapshot, bound.clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None and x.dim() != 2:

@@ -154,6 +154,10 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "of the batch's norms (e.g. 0.9), estimated privately each step with noise that is part of "
                         "the noise multiplier (Andrew et al. 2021); the bounds then start from the clip value "
                         "instead of the loss's constant (default: off)")  # fmt: skip
+    g.add_argument("--project-every", type=int, default=d.project_every, metavar="K",
+                   help="clipless, weightclip: project the weights onto their Lipschitz constraint after every K-th "
+                        "step only; the bounds stay certified between projections but grow with the weights' drift "
+                        "(more noise), for a projection cost divided by K (default: %(default)s)")  # fmt: skip
     g.add_argument("--noise-strategy", default=d.noise_strategy, choices=["per-layer", "global"],
                    help="clipless: noise per parameter tensor from its own bound (per-layer) or one global bound "
                         "(default: %(default)s)")  # fmt: skip

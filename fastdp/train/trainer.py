@@ -135,6 +135,8 @@ class TrainConfig:
     # clipless, weightclip: clip each example's logit gradient at this quantile of the batch's logit-gradient norms,
     # estimated privately (its noise is part of the step's noise multiplier; fastdp.algorithms.clipless)
     logit_clip_quantile: float | None = None
+    # clipless, weightclip: project the weights after every k-th step only (bounds stay certified, looser between)
+    project_every: int = 1
     epsilon: float | None = None
     delta: float = 1e-5
     noise_multiplier: float | None = None
@@ -188,6 +190,11 @@ class TrainConfig:
                                  f"{self.variant!r}")  # fmt: skip
             if isinstance(quantile, bool) or not isinstance(quantile, numbers.Real) or not 0 < quantile < 1:
                 raise ValueError(f"--logit-clip-quantile must be in (0, 1), e.g. 0.9, got {quantile!r}")
+        every = self.project_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"--project-every must be an int >= 1, got {every!r}")
+        if every != 1 and self.variant not in ("clipless", "weightclip"):
+            raise ValueError(f"--project-every is for the clipless and weightclip variants, not {self.variant!r}")
         self._validate_data()
         if VARIANTS[self.variant].private and self.epsilon is None and self.noise_multiplier is None:
             raise ValueError(
@@ -1108,6 +1115,8 @@ class Trainer:
                 identity.update({"tau": c.tau, "noise_strategy": c.noise_strategy})
                 if c.logit_clip_quantile is not None:  # (checkpoints from before the option keep their identity)
                     identity["logit_clip_quantile"] = c.logit_clip_quantile
+                if c.project_every != 1:
+                    identity["project_every"] = c.project_every
                 if c.loss != "tau-ce":  # (checkpoints of tau-ce runs from before --loss keep their identity)
                     identity.update({"loss": c.loss, "margin": c.margin, "hkr_alpha": c.hkr_alpha,
                                      "cosine_k": c.cosine_k})  # fmt: skip
