@@ -40,7 +40,7 @@ lint: install
 # `$(BIN)/python bench/compare.py --full` for the long run; then the virtual-batch sweep (memory and throughput
 # against the logical batch, micro-batches of 256).
 bench: install
-	cd bench && for b in bench_dpsgd bench_jl bench_clipless bench_noise bench_norms bench_clip bench_lipschitz; do \
+	cd bench && for b in bench_dpsgd bench_jl bench_clipless project_every_utility bench_noise bench_norms bench_clip bench_lipschitz; do \
 		../$(BIN)/python $$b.py || exit 1; done
 	$(BIN)/python bench/compare.py --tf-python $(TF_VENV)/bin/python
 	$(BIN)/python bench/compare.py --micro-batch 256 --max-batch 8192 --workloads mlp-256 cnn-256 \

@@ -120,7 +120,8 @@ def certified_bjorck_step(w: torch.Tensor, scale: float = 1.0) -> tuple[torch.Te
     n, m = x.shape
     x64 = x.to(torch.float64)
     a, e_a, a_norm, x_norm_f = spectral._symmetric_gram(x64)
-    beta = spectral._inflate(a.abs().sum(1).amax() * (1.0 + spectral._gamma(n, spectral._U64)))  # >= lambda_max(a)
+    # >= lambda_max(a): the largest absolute row sum (a reduction, no n x n temporary), within gamma_n in any order
+    beta = spectral._inflate(torch.linalg.vector_norm(a, 1, dim=1).amax() * (1.0 + spectral._gamma(n, spectral._U64)))
     kappa = 0.5 / scale**2
     limit = math.nextafter(2.0 / kappa, 0.0)  # <= 2 / kappa: p(t) <= 0.5 / kappa below it
     half_over_kappa = math.nextafter(0.5 / kappa, math.inf)
@@ -129,8 +130,8 @@ def certified_bjorck_step(w: torch.Tensor, scale: float = 1.0) -> tuple[torch.Te
     k = torch.ceil(0.5 * torch.log2(ratio.clamp_min(1e-300))).clamp(0, 500).to(torch.int64)
     s = spectral._pow2(-k)
     s2 = s * s
-    av = a * s2  # exact: a power of two, no float64 underflow at these scales
-    q = -(kappa * av)
+    q = a * s2  # exact: a power of two, no float64 underflow at these scales
+    q.mul_(-kappa)  # -(kappa s^2 a), rounded once (negation is exact); in place: no more n x n temporaries
     q.diagonal().add_(1.5)
     # q = 1.5 I - kappa A' exactly for A' = (1.5 I - q) / kappa: off the diagonal A' is kappa * av rounded once
     # (over kappa), on it also the rounding of 1.5 - t; entries that underflow lose at most eta / kappa
@@ -139,10 +140,11 @@ def certified_bjorck_step(w: torch.Tensor, scale: float = 1.0) -> tuple[torch.Te
     ok = s2 * beta + e_v <= limit  # lambda_max(A') <= 2 / kappa, where p is bounded by 0.5 / kappa
     q_norm = 1.5 + kappa * e_v
     exact_part = (half_over_kappa + q_norm * q_norm * e_v).sqrt() * (1.0 + spectral._U64)
-    m0 = q * s  # exact (s a power of two >= 2**-500)
+    m0 = q.mul_(s)  # exact (s a power of two >= 2**-500); q is not needed any more
     mq = m0.to(w.dtype)  # entrywise rounding F: |F| <= u |m0| + eta
     # m0 is symmetric: |||m0|||_2 <= its largest absolute column sum, and ||m0||_F <= sqrt(n) times it
-    column = spectral._inflate(m0.abs().sum(0).amax() * (1.0 + spectral._gamma(n, spectral._U64)))
+    column = torch.linalg.vector_norm(m0, 1, dim=0).amax()
+    column = spectral._inflate(column * (1.0 + spectral._gamma(n, spectral._U64)))
     cast = (u * math.sqrt(n) * column + n * eta) if w.dtype != torch.float64 else torch.zeros_like(e_v)
     x_norm = (beta + e_a).sqrt() * (1.0 + spectral._U64)  # >= ||x||_2
     y = mq @ x.to(w.dtype)
