@@ -287,7 +287,8 @@ def frobenius_distance_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     The float64 difference is within 2**-53 relative of the exact one (exact for float32 inputs in one binade), its
     squared norm within gamma_{N+1} (plus eta per square that underflows): the bound covers both."""
-    d = a.detach().to(torch.float64).reshape(-1) - b.detach().to(torch.float64).reshape(-1)
+    d = a.detach().reshape(-1).to(torch.float64, copy=True)
+    d.sub_(b.detach().reshape(-1))  # b cast to float64 on the fly (exact): one rounding, no second copy
     if d.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=d.device)
     ss = _sum_sq_up(d)
