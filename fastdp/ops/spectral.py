@@ -266,7 +266,7 @@ def certified_norm_cholesky(
     """A certified upper bound on sigma_max(w) for about one float64 Gram product: a warm Lanczos estimate
     checked by a Cholesky factorisation (``fastdp.ref.spectral.certified_norm_cholesky``).
 
-    The bound is +inf when the check fails (the estimate was more than 2**-9 too low, e.g. a cold start on a matrix
+    The bound is +inf when the check fails (the estimate was more than 2**-6 too low, e.g. a cold start on a matrix
     whose top singular values are close) or w has a NaN or Inf: take the minimum with another certified bound
     (``fastdp.nn.lipschitz`` carries one across training steps). Never below sigma_max(w).
 
