@@ -157,3 +157,44 @@ def test_the_front_door_projects_every_kth_step_and_checkpoints_the_count(tmp_pa
         PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                      data_loader=DataLoader(data, 10), noise_multiplier=1.0, max_grad_norm=1.0,
                                      project_every=2)  # fmt: skip
+
+
+def test_a_front_door_checkpoint_from_before_project_every_still_loads(tmp_path):
+    """Written before ``project_every`` and the certified snapshot existed: no ``variant.project_every`` setting, no
+    ``_certified_weight`` entries. It loads (the loaded weights stand in for the snapshot, re-proven)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fastdp import PrivacyEngine
+    from fastdp.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(40, 10, generator=gen), torch.randint(0, 3, (40,), generator=gen))
+
+    def run():
+        model = mlp("orthogonal")
+        engine = PrivacyEngine()
+        private, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 10),
+            noise_multiplier=1.0, variant="clipless", reproducible_seed=5)  # fmt: skip
+        return engine, private, opt, loader
+
+    engine, private, opt, loader = run()
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(private(x), y).backward()
+    opt.step()
+    save_checkpoint(engine, tmp_path / "c.pt", module=private, optimizer=opt, data_loader=loader)
+    state = torch.load(tmp_path / "c.pt", weights_only=True)
+    state["settings"].pop("variant.project_every", None)
+    for entries in (state["model"], state["model_signature"]["tensors"]):
+        for key in [k for k in entries if k.endswith("_certified_weight")]:
+            del entries[key]
+    torch.save(state, tmp_path / "old.pt")
+    engine2, private2, opt2, loader2 = run()
+    load_checkpoint(engine2, tmp_path / "old.pt", module=private2, optimizer=opt2, data_loader=loader2)
+    for a, b in zip(private.parameters(), private2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="project_every"):  # a changed setting is still refused
+        state["settings"]["variant.project_every"] = 3
+        torch.save(state, tmp_path / "other.pt")
+        engine3, private3, opt3, loader3 = run()
+        load_checkpoint(engine3, tmp_path / "other.pt", module=private3, optimizer=opt3, data_loader=loader3)

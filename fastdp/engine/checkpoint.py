@@ -58,6 +58,11 @@ VERSION = 1
 # describe() entries that are running state or derived from it, not settings: the examples left out as not finite,
 # clipless' last step's bounds (from the weights), backprop's per-tensor multiplier (its tensor count, set by a step)
 _STATE_NOT_SETTINGS = ("nonfinite_examples", "gradient_bounds", "noise_multiplier_per_tensor")
+# settings added after checkpoints were first written, left out at their default so that those checkpoints still load
+_NEWER_SETTING_DEFAULTS = {"project_every": 1}
+# state-dict entries added since, which a checkpoint without them loads without (LipschitzLinear's certified snapshot:
+# absent, the loaded weights themselves stand in for it)
+_NEWER_ENTRIES = ("_certified_weight",)
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -113,7 +118,8 @@ def privacy_settings(engine) -> dict:
     """The settings the engine's privacy guarantee depends on (module docstring), as plain values."""
     dp = engine.optimizer
     variant = dp.variant
-    described = {k: v for k, v in variant.describe().items() if k not in _STATE_NOT_SETTINGS}
+    described = {k: v for k, v in variant.describe().items() if k not in _STATE_NOT_SETTINGS
+                 and not (k in _NEWER_SETTING_DEFAULTS and v == _NEWER_SETTING_DEFAULTS[k])}  # fmt: skip
     settings = {f"variant.{k}" if k != "variant" else "variant": _plain(v) for k, v in described.items()}
     keys = getattr(variant, "keys", None)
     settings.update({
@@ -254,7 +260,8 @@ def _differences(saved: dict, current: dict) -> list[str]:
 def _check_model(path, saved: dict, current: dict) -> None:
     problems = []
     old, new = saved.get("tensors", {}), current["tensors"]
-    missing, unexpected = [k for k in old if k not in new], [k for k in new if k not in old]
+    missing = [k for k in old if k not in new]
+    unexpected = [k for k in new if k not in old and k.rpartition(".")[2] not in _NEWER_ENTRIES]
     if missing:
         problems.append(f"entries only in the checkpoint: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
