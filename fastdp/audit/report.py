@@ -238,8 +238,9 @@ def render(results: list[CaseResult], settings: Settings, seconds: float, comman
             "(`fastdp/audit/bounds.py`), against the float64 SVD: the certified Björck step, the Cholesky-checked "
             "estimate, the Gram iteration and the carried bound on random and adversarial matrices (clustered, "
             "rank-one, ill-conditioned, 1e-30 and 1e30 scales, float32 and float64), and every layer's bound at each "
-            "release and projection of clipless and weightclip MLPs trained with learning rates up to 10 and weights "
-            "tampered with between steps. A largest sigma_max / bound above 1 is a failure.",
+            "release and projection of clipless and weightclip MLPs trained with learning rates up to 10, weights "
+            "tampered with between steps and the projection after every step or every second or third "
+            "(`project_every`). A largest sigma_max / bound above 1 is a failure.",
             "",
             format_bound_report(bounds),
         ]
