@@ -166,8 +166,9 @@ class Clipless(Variant):
         return state
 
     def restore_checkpoint_state(self, state: dict) -> None:
-        """Adopt a saved C_t. Any value in [1e-6 L, L] is safe (the clip enforces it and the bounds use it); others
-        are refused."""
+        """Adopt a saved C_t and count of steps since the last projection. Any C_t in [1e-6 L, L] is safe (the clip
+        enforces it and the bounds use it), any count in [0, project_every) too (the bounds do not depend on it);
+        others are refused."""
         steps = state.get("steps_since_projection", 0)
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < self.project_every:
             raise ValueError(f"a saved count of steps since the last projection must be an int in [0, project_every = "
