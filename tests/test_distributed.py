@@ -37,6 +37,11 @@ RUNS = {  # trainer scenarios, each also run in one process here
     "dpsgd": dict(variant="dpsgd", noise_multiplier=1.0, **FAST),
     "dpsgd_padded": dict(variant="dpsgd", noise_multiplier=1.0, pad=True, micro_batch=16, **FAST),
     "nonprivate": dict(variant="nonprivate", micro_batch=16, **FAST),
+    # the ranks count the steps since the last projection alike: projected after the 3rd and 6th of 7 steps
+    # (a small learning rate: between projections the noise follows the drift, which follows the noise)
+    "clipless_every3": dict(
+        {**FAST, "lr": 0.01}, variant="clipless", model="lipschitz_mlp", noise_multiplier=1.0, project_every=3
+    ),
 }
 VARIANT_NAMES = ["dpsgd", "dpsgd-reference", "jl", "clipless", "weightclip", "backprop", "nonprivate"]
 SIGMA, Q, NOISE_N = 2.0, 0.1, 10_000  # the noise scenario: std sigma * C / (q N) = 0.002

@@ -17,8 +17,9 @@ step (certified, carried across steps: ``fastdp.nn.lipschitz.LipschitzLinear``).
 ``project_every=k`` projects after every k-th step only. The projection costs about 2 n^2 m per n x m dense layer
 whatever the batch (2 n / (3 B) of a step), so at small batches it dominates; between projections every bound is
 still certified for the weights as they are (a dense layer's carried certificate plus ||W - W_certified||_F, a
-convolution's Gram iteration, a bias's norm), only looser, so the noise grows with the drift: a trade of noise for
-time, measured in docs/performance.md. Privacy does not depend on k.
+convolution's Gram iteration, a bias's norm), only looser, so the noise grows with the drift, and the drift with
+the noise (keep the learning rate small): a trade of noise for time, measured in docs/variant-lipschitz.md. Privacy
+does not depend on k.
 
 Logit-gradient clipping at a private quantile (``logit_clip_quantile``; Béthune et al. 2024 section 3.1, adaptive as
 in Andrew et al. 2021): each example's loss gradient w.r.t. the logits is clipped to C_t, so the bound rules start
