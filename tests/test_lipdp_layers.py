@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vjp, vmap
+from torch.func import grad, vjp, vmap
 
 from fastdp.algorithms import Batch, Clipless
 from fastdp.nn.lipdp import (
@@ -47,6 +47,7 @@ from fastdp.nn.lipschitz import (
 )
 from fastdp.train.models import build_model
 from fastdp.train.trainer import TrainConfig, train
+from tests.variants import per_example_grad_norms
 
 FP64_SLACK = 1 + 1e-12  # float64 autograd against a bound: a few roundings
 FP32_SLACK = 1 + 1e-6  # float32: the tolerance every Lipschitz test uses
@@ -308,18 +309,6 @@ def test_patches_are_a_permutation():
 
 
 # --------------------------------------------------------------------------------------- whole models: the bounds
-
-
-def per_example_grad_norms(model: nn.Module, loss: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """parameter -> [B] per-example gradient norms of the summed loss (torch.func; the ground truth)."""
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    by_name = dict(model.named_parameters())
-
-    def one(ps, xi, yi):
-        return loss(functional_call(model, ps, (xi.unsqueeze(0),)), yi.unsqueeze(0)).sum()
-
-    grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    return {by_name[n]: g.reshape(g.shape[0], -1).norm(dim=1) for n, g in grads.items()}
 
 
 def _lipdp_cnn() -> nn.Module:

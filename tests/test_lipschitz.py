@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 from fastdp.algorithms import Batch, Clipless
 from fastdp.nn.lipschitz import (
@@ -28,20 +27,9 @@ from fastdp.nn.lipschitz import (
     project_,
 )
 from fastdp.train.trainer import TrainConfig, train
+from tests.variants import per_example_grad_norms, steps_without_host_reads
 
 SIGMAS = 5.0
-
-
-def per_example_grad_norms(model: nn.Module, loss: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """parameter -> [B] per-example gradient norms of the summed loss (torch.func; the test's ground truth)."""
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    by_name = dict(model.named_parameters())  # before functional_call, which swaps the attributes
-
-    def one(ps, xi, yi):
-        return loss(functional_call(model, ps, (xi.unsqueeze(0),)), yi.unsqueeze(0)).sum()
-
-    grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    return {by_name[n]: g.reshape(g.shape[0], -1).norm(dim=1) for n, g in grads.items()}
 
 
 def mlp(d=12, hidden=16, classes=4, bound=3.0, bias=True, residual=True, clip=None) -> nn.Module:
@@ -349,9 +337,6 @@ def _cnn() -> nn.Module:
                          nn.Flatten(), LipschitzLinear(4 * 4 * 4, 3, bias=True))  # fmt: skip
 
 
-_HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
-
-
 @pytest.mark.parametrize("kind", ["mlp", "mlp-clip", "cnn", "weightclip", "global"])
 def test_clipless_step_reads_no_device_value_on_the_host(kind, monkeypatch):
     """Zero host synchronisations: the step's bounds, noise and projection never turn a tensor into a Python
@@ -367,18 +352,7 @@ def test_clipless_step_reads_no_device_value_on_the_host(kind, monkeypatch):
         model, x = mlp(classes=3, clip=0.5 if kind == "mlp-clip" else None), torch.randn(6, 12)
     variant = Clipless(1.0, 0.1, 60, strategy="global" if kind == "global" else "per-layer")
     batch = Batch(x, torch.randint(0, 3, (6,)), torch.ones(6, dtype=torch.bool))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    variant.gradient(model, batch, 0)  # warm-up: the first step of a batch shape runs the row probe (host reads)
-    optimizer.step()
-    variant.after_step(model)
-    for name in _HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
-    for step in range(1, 3):
-        variant.gradient(model, batch, step)
-        optimizer.step()
-        variant.after_step(model)
-    monkeypatch.undo()
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    steps_without_host_reads(monkeypatch, variant, model, batch)
 
 
 @pytest.mark.cuda

@@ -29,6 +29,7 @@ from fastdp.nn.lipschitz import (
 from fastdp.nn.weightclip import LipschitzGroupNorm, LipschitzSigmoid, LipschitzTanh, ResidualSum, WeightClipConv2d
 from fastdp.ops import conv_operator_norm
 from fastdp.train.models import build_model
+from tests.variants import per_example_grad_norms, steps_without_host_reads
 
 SLACK64 = 1 + 1e-9
 SLACK32 = 1 + 1e-5
@@ -372,17 +373,6 @@ def _network(max_norm: float) -> nn.Module:
     )
 
 
-def _per_example_grad_norms(model: nn.Module, loss: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    by_name = dict(model.named_parameters())
-
-    def one(ps, xi, yi):
-        return loss(functional_call(model, ps, (xi.unsqueeze(0),)), yi.unsqueeze(0)).sum()
-
-    grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    return {by_name[n]: g.reshape(g.shape[0], -1).norm(dim=1) for n, g in grads.items()}
-
-
 def test_network_of_new_layers_stays_within_its_bounds_during_projected_training():
     torch.manual_seed(6)
     model = _network(max_norm=1.7)
@@ -395,7 +385,7 @@ def test_network_of_new_layers_stays_within_its_bounds_during_projected_training
                        _on_sphere(board, 6.0)])  # fmt: skip
         y = torch.randint(0, 5, (40,))
         bounds = lipschitz_bounds(model, loss)
-        for p, n in _per_example_grad_norms(model, loss, x, y).items():
+        for p, n in per_example_grad_norms(model, loss, x, y).items():
             assert n.max() <= float(bounds[p]) * SLACK32, f"round {round_}: {n.max()} > {bounds[p]}"
         optimizer.zero_grad()
         (loss(model(x), y).sum() * 10).backward()
@@ -453,7 +443,7 @@ def test_weightclip_variant_trains_weightclip_cnn():
         variant.gradient(model, Batch(x, y, torch.ones(16, dtype=torch.bool)), step)
         deltas = dict(zip([p for p in model.parameters() if p.requires_grad], variant.last_bounds.tolist(),
                           strict=True))  # fmt: skip
-        for p, n in _per_example_grad_norms(model, variant.loss_fn, x, y).items():
+        for p, n in per_example_grad_norms(model, variant.loss_fn, x, y).items():
             assert n.max() <= deltas[p] * SLACK32
         optimizer.step()
         variant.after_step(model)
@@ -501,15 +491,4 @@ def test_weightclip_cnn_step_reads_no_device_value_on_the_host(monkeypatch):
     model = _network(max_norm=2.0)
     variant = WeightClip(1.0, 0.1, 60)
     batch = Batch(torch.randn(6, 1, 6, 6), torch.randint(0, 5, (6,)), torch.ones(6, dtype=torch.bool))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    variant.gradient(model, batch, 0)  # warm-up: the first step of a batch shape runs the row probe (host reads)
-    optimizer.step()
-    variant.after_step(model)
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
-        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
-    for step in range(1, 3):
-        variant.gradient(model, batch, step)
-        optimizer.step()
-        variant.after_step(model)
-    monkeypatch.undo()
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    steps_without_host_reads(monkeypatch, variant, model, batch)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
+from torch.func import functional_call, grad, vmap
 
 from fastdp.algorithms import DPSGD, JL, BackpropClip, Clipless, NonPrivate, WeightClip
 from fastdp.algorithms.base import per_example_cross_entropy
@@ -79,3 +81,40 @@ def projection_reference(model: nn.Module, grads: list[torch.Tensor], seed: int,
     tangents = draw_tangents(params, PrivacyKeys(seed), step, r, 0, r)
     v = torch.cat([t.reshape(r, -1) for t in tangents], dim=1).double()
     return torch.cat([g.reshape(g.shape[0], -1) for g in grads], dim=1).double() @ v.t()
+
+
+def per_example_grad_norms(model: nn.Module, loss: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """parameter -> [B] per-example gradient norms of the summed loss (torch.func; the tests' ground truth)."""
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    by_name = dict(model.named_parameters())  # before functional_call, which swaps the attributes
+
+    def one(ps, xi, yi):
+        return loss(functional_call(model, ps, (xi.unsqueeze(0),)), yi.unsqueeze(0)).sum()
+
+    grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    return {by_name[n]: g.reshape(g.shape[0], -1).norm(dim=1) for n, g in grads.items()}
+
+
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+def steps_without_host_reads(monkeypatch, variant, model: nn.Module, batch, steps: int = 2) -> None:
+    """One warm-up step (the first step of a batch shape runs the row probe, which reads values on the host), then
+    ``steps`` more steps (gradient, SGD, the variant's post-step hook) during which every way of turning a tensor into
+    a Python value fails the test, ``torch.equal`` included: on CPU nothing synchronises, so this stands in for the
+    zero-synchronisation check on a GPU."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(index: int) -> None:
+        variant.gradient(model, batch, index)
+        optimizer.step()
+        variant.after_step(model)
+
+    step(0)
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
+    monkeypatch.setattr(torch, "equal", lambda *a, **k: pytest.fail("host read: torch.equal"))
+    for index in range(1, steps + 1):
+        step(index)
+    monkeypatch.undo()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
