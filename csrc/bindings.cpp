@@ -12,6 +12,7 @@
 #include "cpu/norms.h"
 #include "cpu/recurrence.h"
 #include "cpu/recurrence_loop.h"
+#include "cpu/spectral.h"
 #include "fastdp/clip.h"
 #include "fastdp/noise.h"
 #include "fastdp/norms.h"
@@ -271,6 +272,21 @@ at::Tensor certified_gram(const at::Tensor& x) {
     certified_gram_cpu(x.data_ptr(), batch, seq, k, GramStrides{x.stride(0), x.stride(1), x.stride(2)}, kind,
                        out.data_ptr<double>());
   }
+  return out;
+}
+
+// (sum of squares, max abs), float64 [2], of fl64(a - b) over two CPU tensors of one shape and dtype, any layout
+// (the raw sums of fastdp.ref.spectral.frobenius_distance_up, before its rounding bound).
+at::Tensor frobenius_distance_sq(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.sizes() == b.sizes(), "fastdp frobenius_distance_sq: shapes differ, ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "fastdp frobenius_distance_sq: a is ", a.scalar_type(),
+              " but b is ", b.scalar_type());
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "fastdp frobenius_distance_sq: CPU tensors only, got ",
+              a.device(), " and ", b.device());
+  const CertifiedKind kind = certified_kind(a, "frobenius_distance_sq");
+  const at::Tensor x = a.contiguous(), y = b.contiguous();
+  at::Tensor out = at::empty({2}, a.options().dtype(at::kDouble));
+  frobenius_distance_sq_cpu(x.data_ptr(), y.data_ptr(), x.numel(), kind, out.data_ptr<double>());
   return out;
 }
 
@@ -765,6 +781,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("g"));
   m.def("certified_gram", &fastdp::certified_gram, "Float64 Grams [B, T, T] of rows [B, T, K] on CPU, any strides",
         py::arg("x"));
+  m.def("frobenius_distance_sq", &fastdp::frobenius_distance_sq,
+        "(sum of squares, max abs), float64 [2], of fl64(a - b) on CPU: the carried certificates' distance",
+        py::arg("a"), py::arg("b"));
   m.def("clip_factors", &fastdp::clip_factors, "Per-example norms and DP-SGD clip factors from [L, B] squared norms",
         py::arg("sq_norms"), py::arg("clip_norm"));
   m.def("clip_rows", &fastdp::clip_rows, "Per-example row clipping of [B, C, P] to l2 (or l15) norm <= bound",

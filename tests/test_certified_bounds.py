@@ -3,12 +3,15 @@ Cholesky-checked estimate, the carried bound, and LipschitzLinear's certificate 
 
 import copy
 import math
+import os
 from fractions import Fraction
 
 import pytest
 import torch
 from torch import nn
 
+import fastdp
+from fastdp import _ext
 from fastdp.algorithms import Batch, Clipless, WeightClip
 from fastdp.nn.lipschitz import BoundedInput, GroupSort2, LipschitzLinear, project_
 from fastdp.ops import certified_bjorck_step, certified_norm_cholesky, frobenius_distance_up
@@ -123,23 +126,84 @@ def test_cholesky_zero_and_non_finite():
 # ---------------------------------------------------------------------------------------------- carried bound
 
 
-def test_frobenius_distance_is_exactly_zero_for_equal_tensors_and_above_the_exact_value():
+@pytest.fixture(params=["torch", "cuda"])
+def distance_backend(request, monkeypatch, restore_backend):
+    """The CPU Frobenius distance from the torch reference or from fastdp._C's one-pass kernel (``cuda``; a
+    failure when FASTDP_REQUIRE_EXT=1 and it was not built, else a skip); the kernel's calls are counted."""
+    calls = []
+    if request.param == "cuda":
+        kernel = getattr(_ext._C, "frobenius_distance_sq", None)
+        if kernel is None:
+            if os.environ.get("FASTDP_REQUIRE_EXT") == "1":
+                pytest.fail("fastdp._C must be built with frobenius_distance_sq for this run")
+            pytest.skip("fastdp._C without the Frobenius distance kernel")
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(_ext._C, name)
+
+            def frobenius_distance_sq(self, a, b):
+                calls.append(a.shape)
+                return kernel(a, b)
+
+        monkeypatch.setattr(_ext, "_C", Counting())
+    fastdp.set_backend(request.param)
+    return request.param, calls
+
+
+def exact_distance_sq(a: torch.Tensor, b: torch.Tensor) -> Fraction:
+    return sum((Fraction(float(x)) - Fraction(float(y))) ** 2 for x, y in zip(a.flatten(), b.flatten(), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_frobenius_distance_is_exactly_zero_for_equal_tensors_and_above_the_exact_value(distance_backend, dtype):
     gen = torch.Generator().manual_seed(5)
-    a = torch.randn(7, 5, generator=gen) * torch.logspace(-20, 20, 5)  # entries in many binades
-    b = a + torch.randn(7, 5, generator=gen) * torch.logspace(-30, 10, 5)
+    span = 20 if dtype in (torch.float32, torch.bfloat16) else (100 if dtype == torch.float64 else 2)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    a = (torch.randn(7, 5, **f64) * torch.logspace(-span, span, 5, dtype=torch.float64)).to(dtype)  # many binades
+    b = a + (torch.randn(7, 5, **f64) * torch.logspace(-span - 10, span - 10, 5, dtype=torch.float64)).to(dtype)
     assert float(frobenius_distance_up(a, a)) == 0.0
-    exact = sum((Fraction(float(x)) - Fraction(float(y))) ** 2 for x, y in zip(a.flatten(), b.flatten(), strict=True))
+    exact = exact_distance_sq(a, b)
     bound = Fraction(float(frobenius_distance_up(a, b)))
     assert bound**2 >= exact and bound**2 <= exact * (1 + Fraction(1, 10**9))
+    backend, calls = distance_backend
+    assert len(calls) == (2 if backend == "cuda" else 0)
 
 
-def test_frobenius_distance_non_finite_and_shape_errors():
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 32768, 32768 * 3 + 13])
+def test_frobenius_distance_kernel_chunks_lanes_and_layouts(distance_backend, size):
+    """Sizes around the kernel's 8 lanes and 32768-element chunks, a transposed (non-contiguous) pair, and the
+    differences that underflow when squared: the bound is above the exact distance, within 1e-9 of it."""
+    gen = torch.Generator().manual_seed(size)
+    a = torch.randn(size, generator=gen, dtype=torch.float64)
+    b = a + torch.randn(size, generator=gen, dtype=torch.float64) * 1e-3
+    exact = torch.linalg.vector_norm(a - b).item()  # to 1e-15: far inside the checked 1e-9
+    assert exact <= frobenius_distance_up(a, b).item() <= exact * (1 + 1e-9)
+    if size > 1:
+        m = a[: size - size % 7].reshape(7, -1).T  # [cols, 7], strides (1, cols)
+        n = b[: size - size % 7].reshape(7, -1).T
+        exact = torch.linalg.vector_norm(m - n).item()
+        assert exact <= frobenius_distance_up(m, n).item() <= exact * (1 + 1e-9)
+    small = a * 1e-170
+    tiny = small * (1 + 1e-3)  # differences ~1e-173: their squares underflow to 0
+    assert (tiny != small).any() and ((tiny - small) ** 2 == 0).all()
+    assert frobenius_distance_up(small, tiny).item() > 0.0
+    backend, calls = distance_backend
+    assert len(calls) == ((3 if size > 1 else 2) if backend == "cuda" else 0)
+
+
+def test_frobenius_distance_non_finite_and_shape_errors(distance_backend):
     a = torch.randn(3, 3)
-    b = a.clone()
-    b[1, 1] = float("nan")
-    assert math.isinf(float(frobenius_distance_up(a, b)))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        b = a.clone()
+        b[1, 1] = bad
+        assert math.isinf(float(frobenius_distance_up(a, b))) and math.isinf(float(frobenius_distance_up(b, a)))
+    both = a.clone()
+    both[0, 0] = float("inf")
+    assert math.isinf(float(frobenius_distance_up(both, both.clone())))  # inf - inf is NaN: not 0
     with pytest.raises(ValueError, match="shapes differ"):
         frobenius_distance_up(a, torch.randn(3, 4))
+    assert float(frobenius_distance_up(torch.empty(0, 3), torch.empty(0, 3))) == 0.0
 
 
 # ------------------------------------------------------------------------------------ LipschitzLinear certificate

@@ -21,7 +21,9 @@ Backends: ``fastdp._backend.select("spectral", device)``; ``triton`` runs
 split over the whole GPU, two launches per step; at most 2 iters + 2 launches per call); ``cuda`` runs
 ``fastdp._C.power_iteration_cuda`` (csrc/cuda/spectral.cu, the same two paths) on
 CUDA tensors and the reference on CPU tensors (no csrc/cpu kernel); float64 always runs
-the reference.
+the reference. ``frobenius_distance_up`` on CPU tensors under ``cuda`` takes its sums from
+``fastdp._C.frobenius_distance_sq`` (csrc/cpu/spectral.cpp: one pass, no float64 copies), its
+rounding bound from the reference.
 ``certified_spectral_norm(s)`` and ``conv_operator_norm`` are torch only.
 """
 
@@ -304,7 +306,13 @@ def frobenius_distance_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape != b.shape:
         raise ValueError(f"fastdp frobenius_distance_up: shapes differ, {tuple(a.shape)} and {tuple(b.shape)}")
     with torch.no_grad():
-        return ref.frobenius_distance_up(a, b)
+        a, b = a.detach(), b.detach()
+        sums = None
+        kernel = getattr(_ext._C, "frobenius_distance_sq", None)
+        if (kernel is not None and a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
+                and _backend.eager((a, b)) and _backend.select("spectral", "cpu") == "cuda"):  # fmt: skip
+            sums = kernel(a, b)
+        return ref.frobenius_distance_up(a, b, sums)
 
 
 def _pair(op: str, name: str, value) -> tuple[int, int]:

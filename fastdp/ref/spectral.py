@@ -242,9 +242,14 @@ def _inflate(x: torch.Tensor) -> torch.Tensor:
 def _sum_sq_up(x64: torch.Tensor) -> torch.Tensor:
     """An upper bound on the sum of squares of a float64 tensor: each square within 2**-53 relative (or eta where
     it underflows), the sum of N terms within gamma_N relative (any order)."""
-    n = x64.numel()
     flat = x64.reshape(-1)
-    return _inflate(torch.dot(flat, flat) * (1.0 + _gamma(n + 1, _U64)) + n * _ETA64)
+    return _sum_sq_bound(torch.dot(flat, flat), flat.numel())
+
+
+def _sum_sq_bound(computed: torch.Tensor, n: int) -> torch.Tensor:
+    """An upper bound on the exact sum of squares of n float64 values whose float64 sum of squares, in any order,
+    is ``computed``."""
+    return _inflate(computed * (1.0 + _gamma(n + 1, _U64)) + n * _ETA64)
 
 
 def _orient(w: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -281,20 +286,24 @@ def _symmetric_gram(x64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return a, _inflate(e_a), a_norm, _inflate(x_sq.sqrt())
 
 
-def frobenius_distance_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def frobenius_distance_up(a: torch.Tensor, b: torch.Tensor, sums: torch.Tensor | None = None) -> torch.Tensor:
     """A certified upper bound on ||a - b||_F for two tensors of one shape: float64 0-d, exactly 0 when a equals b
     entry for entry, +inf when either has a NaN or Inf. No host synchronisation.
 
-    The float64 difference is within 2**-53 relative of the exact one (exact for float32 inputs in one binade), its
-    squared norm within gamma_{N+1} (plus eta per square that underflows): the bound covers both."""
-    d = a.detach().reshape(-1).to(torch.float64, copy=True)
-    d.sub_(b.detach().reshape(-1))  # b cast to float64 on the fly (exact): one rounding, no second copy
-    if d.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=d.device)
-    ss = _sum_sq_up(d)
-    bound = _inflate(ss.sqrt() * (1.0 + _U64))
+    The float64 difference d is within 2**-53 relative of the exact one (exact for float32 inputs in one binade),
+    its squared norm within gamma_{N+1} (plus eta per square that underflows): the bound covers both. ``sums``:
+    float64 [2], (sum of d's squares in any order, max |d|), computed elsewhere (``fastdp._C.frobenius_distance_sq``
+    on CPU); by default computed here."""
+    n = a.numel()
+    if n == 0:
+        return torch.zeros((), dtype=torch.float64, device=a.device)
+    if sums is None:
+        d = a.detach().reshape(-1).to(torch.float64, copy=True)
+        d.sub_(b.detach().reshape(-1))  # b cast to float64 on the fly (exact): one rounding, no second copy
+        sums = torch.stack((torch.dot(d, d), d.abs().amax()))
+    bound = _inflate(_sum_sq_bound(sums[0], n).sqrt() * (1.0 + _U64))
     finite = torch.isfinite(bound)
-    bound = torch.where(d.abs().amax() == 0, torch.zeros_like(bound), bound)
+    bound = torch.where(sums[1] == 0, torch.zeros_like(bound), bound)
     return torch.where(finite, bound, torch.full_like(bound, math.inf))
 
 
