@@ -119,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     batches = args.batches or ([256, 1024, 4096] if device.type == "cpu" else [256, 1024, 4096, 16384, 50000])
     info = harness.run_info(device)
-    rows = []
     for workload in args.workloads:
         make_model, shape, variants = WORKLOADS[workload]
         params = sum(p.numel() for p in make_model(variants[0]).parameters())
@@ -134,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             y = torch.randint(0, 10, (b,), generator=gen).to(device)
             results = harness.compare({p: functools.partial(build, workload, p, x, y) for p in providers}, device,
                                       args.repeats, warmup=1)  # fmt: skip
+            rows = []  # written after each batch: a run cut short by a time limit keeps what it measured
             for provider, result in results.items():
                 if result is None:
                     print(f"{workload} batch {b:6d} {provider:22s} out of memory", flush=True)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 note = f"  {float(share):.0%} of the {variant_name} step" if share else ""
                 line = f"{workload} batch {b:6d} {provider:22s} {med:9.2f} ms ({p20:.1f}, {p80:.1f})  x{ratio:.2f}"
                 print(line + note, flush=True)
-    harness.write_rows(rows, args.out, f"{info['device']}-clipless-steps")
+            harness.write_rows(rows, args.out, f"{info['device']}-clipless-steps")
     return 0
 
 
