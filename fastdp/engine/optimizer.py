@@ -10,7 +10,9 @@
 2. asks the variant for the bounded sums of that backward (``Variant.sums_of_backward``: DP-SGD's certified ghost
    norms, DP-SGD-JL's projections; ``Variant.sums_of_output``: clipless and weightclip clip the output gradient to
    the loss's Lipschitz constant, backprop's layers clip inputs and upstream gradients, in one backward through the
-   model), adding the sums of every forward since the last step (gradient accumulation);
+   model). One backpropagated training forward per ``step()`` call: with several, an example seen by two of them
+   (two views of a batch, an attack crafted in training mode) would count twice, so they are refused; a larger
+   batch is split into physical batches, each its own (skipped) step, whose sums add up (``BatchMemoryManager``);
 3. unless the step is skipped (a virtual step of a larger logical batch, :meth:`signal_skip_step`), checks once per
    input signature that every row is one example (``fastdp.nn.rows``, for any batch-first inputs), adds the noise
    once with the step's key (the variant's ``release``: the same code and keys as the variant API, so the released
@@ -50,6 +52,14 @@ def _delegated(name: str) -> property:
     """An attribute read from and written to the original optimizer."""
     return property(lambda self: getattr(self.original_optimizer, name),
                     lambda self, value: setattr(self.original_optimizer, name, value))  # fmt: skip
+
+
+def _backpropagated(recorded: Recorded) -> bool:
+    """Whether the user's backward reached a training forward (the output leaf's gradient, or a DP layer's G; a
+    forward without DP layer calls counts, its step then names the parameters no DP layer covered)."""
+    if recorded.output is not None:
+        return recorded.leaf.grad is not None
+    return not recorded.records or any(r.grad is not None or r.formed is not None for r in recorded.records)
 
 
 class DPOptimizer(Optimizer):
@@ -150,12 +160,10 @@ class DPOptimizer(Optimizer):
         self.module.forget_recorded()
 
     # -- the private step
-    def _backward_sums(self, recorded: Recorded) -> list[torch.Tensor] | None:
+    def _backward_sums(self, recorded: Recorded) -> list[torch.Tensor]:
         if recorded.output is not None:
             return self._output_sums(recorded)
         records = recorded.records
-        if records and all(r.grad is None and r.formed is None for r in records):
-            return None  # a training forward whose loss was never backpropagated contributes nothing
         model = self.module._module
         check_supported(model)  # every step, as the variants: modes, modules and tied weights can change
         params = trainable_parameters(model)
@@ -197,12 +205,10 @@ class DPOptimizer(Optimizer):
             self._check_rows(model, recorded.inputs, n)
         return sums
 
-    def _output_sums(self, recorded: Recorded) -> list[torch.Tensor] | None:
+    def _output_sums(self, recorded: Recorded) -> list[torch.Tensor]:
         """An "output" variant's sums of one forward: the loss's gradient at the output (times n under "mean", so
         each row is that of the example's own loss), backpropagated once through the model by the variant."""
         grad = recorded.leaf.grad
-        if grad is None:
-            return None  # a training forward whose loss was never backpropagated contributes nothing
         model, n = self.module._module, recorded.examples
         if n >= 2:
             self._check_rows(model, recorded.inputs, n)
@@ -249,10 +255,20 @@ class DPOptimizer(Optimizer):
                 "pass labels to the model; compute the loss from its logits, per example (docs/front-door.md, "
                 "'Per-example gradients and the loss')"
             )
-        for recorded in self.module.take_recorded():
+        recorded_forwards = [r for r in self.module.take_recorded() if _backpropagated(r)]
+        if len(recorded_forwards) > 1:
+            raise ValueError(
+                f"{len(recorded_forwards)} training forwards were backpropagated before this optimizer step: fastdp "
+                "bounds each forward's per-example gradients separately, so an example that went through the model "
+                "twice (two views or augmentations of one batch, an adversarial attack crafted with the model in "
+                "training mode, two loader batches accumulated) would move the release by twice the bound the noise "
+                "is calibrated to, and one step would be accounted for two batches. Give each step one training "
+                "forward: put the views of an example into one forward (its output row covering them all), craft "
+                "attacks with the model in eval() mode, and split a large batch with BatchMemoryManager (each "
+                "physical batch its own step() call: docs/front-door.md, 'One forward per step')"
+            )
+        for recorded in recorded_forwards:
             sums = self._backward_sums(recorded)
-            if sums is None:
-                continue
             if self._sums is None:
                 self._sums = sums
             else:

@@ -1,0 +1,139 @@
+"""Holes of the front door a second independent review found (2026-11-25), each a way for one example to move a
+release beyond the bound its noise is calibrated to, and their refusals:
+
+* several training forwards backpropagated before one ``step()`` (two views of a batch, an adversarial attack
+  crafted in training mode, two loader batches accumulated): each forward was bounded on its own and the sums added,
+  so an example seen twice counted twice, with one step accounted (refused: one forward per step; virtual steps of
+  ``BatchMemoryManager`` are each their own ``step()`` call).
+
+Each test measures the leave-one-out change of the released gradient where the front door accepts the loop, against
+its bound, and checks the refusal where it does not."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fastdp import PrivacyEngine
+from fastdp.train.models import build_model
+
+VARIANTS = {
+    "dpsgd": dict(max_grad_norm=1.0),
+    "jl": dict(max_grad_norm=1.0, projections=10),
+    "backprop": dict(input_clip=1.0, grad_clip=1.0),
+    "clipless": {},
+    "weightclip": {},
+}
+D = 8
+
+
+def _model(variant: str) -> nn.Module:
+    torch.manual_seed(1)
+    if variant in ("clipless", "weightclip"):
+        name = "lipschitz_mlp" if variant == "clipless" else "weightclip_mlp"
+        return build_model(name, (D,), 2, hidden=16, depth=2, input_bound=2.0)
+    return nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _private(variant: str):
+    model = _model(variant)
+    data = TensorDataset(torch.randn(100, D), torch.randint(0, 2, (100,)))
+    engine = PrivacyEngine(accountant="pld" if variant == "jl" else "rdp")
+    private, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=DataLoader(data, batch_size=10),
+        noise_multiplier=0.0, reproducible_seed=1, loss_reduction="sum", variant=variant, **VARIANTS[variant],
+    )  # fmt: skip
+    return model, private, optimizer, engine, loader
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, D, generator=gen) * 3
+    x[0] = 40.0  # the target: large enough that its clipped contribution meets the bound
+    return x, torch.randint(0, 2, (6,), generator=gen)
+
+
+def _loss(private, x, y):
+    return nn.functional.cross_entropy(private(x), y, reduction="sum")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_backpropagated_forwards_in_one_step_are_refused(variant):
+    """Two views of one batch (the consistency-loss pattern): refused before anything is released or accounted."""
+    model, private, optimizer, engine, _ = _private(variant)
+    x, y = _batch()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    (_loss(private, x, y) + _loss(private, x + 0.01, y)).backward()
+    with pytest.raises(ValueError, match="2 training forwards were backpropagated before this optimizer step"):
+        optimizer.step()
+    assert engine.accountant.steps == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    # the next, ordinary step is not affected by the refused one's forwards
+    optimizer.zero_grad()
+    _loss(private, x, y).backward()
+    optimizer.step()
+
+
+def test_an_attack_crafted_in_training_mode_is_refused_and_in_eval_mode_keeps_the_bound():
+    """FGSM adversarial training: the attack's gradient w.r.t. the input goes through the private model's hooks. In
+    training mode that is a second backpropagated forward (refused); crafted in eval() mode, the step has one, and
+    the target's leave-one-out change of the released sum stays within C (the adversarial example depends on its
+    own example only)."""
+
+    def adversarial_step(x, y, attack_mode: str):
+        model, private, optimizer, _, _ = _private("dpsgd")
+        optimizer.zero_grad()
+        private.train(attack_mode == "train")
+        x_attack = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(_loss(private, x_attack, y), x_attack)
+        private.train()
+        _loss(private, x + 0.1 * grad.sign(), y).backward()
+        optimizer.step()
+        return [p.grad.detach().double().clone() for p in model.parameters()]
+
+    x, y = _batch()
+    with pytest.raises(ValueError, match="craft attacks with the model in eval"):
+        adversarial_step(x, y, "train")
+    with_target = adversarial_step(x, y, "eval")
+    without = adversarial_step(x[1:], y[1:], "eval")
+    change = math.sqrt(sum((a - b).square().sum().item() for a, b in zip(with_target, without, strict=True)))
+    assert 0.99 <= change <= 1.0 + 1e-6  # the target meets the bound C = 1 (x[0] = 40), and does not exceed it
+
+
+def test_a_forward_without_backward_beside_the_step_is_ignored():
+    """A training-mode forward whose loss is not backpropagated (a logging pass) contributes nothing: not refused."""
+    model, private, optimizer, _, _ = _private("dpsgd")
+    x, y = _batch()
+    optimizer.zero_grad()
+    _loss(private, x, y)  # never backpropagated
+    _loss(private, x, y).backward()
+    optimizer.step()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_two_loader_batches_per_step_are_refused():
+    """Gradient accumulation over two Poisson batches of the private loader: one step would be accounted for two
+    sampled batches (an under-counted epsilon), refused; a logical batch split by BatchMemoryManager (each physical
+    batch its own step() call, all but the last skipped) releases once, with one accounting event."""
+    from fastdp.engine import BatchMemoryManager
+
+    model, private, optimizer, engine, loader = _private("dpsgd")
+    batches = iter(loader)
+    optimizer.zero_grad()
+    for _ in range(2):
+        x, y = next(batches)
+        _loss(private, x, y).backward()
+    with pytest.raises(ValueError, match="2 training forwards"):
+        optimizer.step()
+    assert engine.accountant.steps == 0
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as physical:
+        for i, (x, y) in enumerate(physical):
+            optimizer.zero_grad()
+            _loss(private, x, y).backward()
+            optimizer.step()
+            if i == 6:
+                break
+    assert 1 <= engine.accountant.steps <= 3  # logical batches of ~10 in physical batches of at most 3
