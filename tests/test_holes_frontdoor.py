@@ -42,8 +42,9 @@ def _private(variant: str):
     data = TensorDataset(torch.randn(100, D), torch.randint(0, 2, (100,)))
     engine = PrivacyEngine(accountant="pld" if variant == "jl" else "rdp")
     private, optimizer, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=DataLoader(data, batch_size=10),
-        noise_multiplier=0.0, reproducible_seed=1, loss_reduction="sum", variant=variant, **VARIANTS[variant],
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(data, batch_size=10), noise_multiplier=0.0, reproducible_seed=1,
+        loss_reduction="sum", variant=variant, **VARIANTS[variant],
     )  # fmt: skip
     return model, private, optimizer, engine, loader
 
