@@ -4,11 +4,15 @@ release beyond the bound its noise is calibrated to, and their refusals:
 * several training forwards backpropagated before one ``step()`` (two views of a batch, an adversarial attack
   crafted in training mode, two loader batches accumulated): each forward was bounded on its own and the sums added,
   so an example seen twice counted twice, with one step accounted (refused: one forward per step; virtual steps of
-  ``BatchMemoryManager`` are each their own ``step()`` call).
+  ``BatchMemoryManager`` are each their own ``step()`` call);
+* a buffer written from the batch during the private step (a quantisation observer's min/max, hand-written running
+  statistics): saved with the model, unnoised (refused by ``fastdp.nn.validate.BufferWatch``, front door and variant
+  API alike, before the release).
 
 Each test measures the leave-one-out change of the released gradient where the front door accepts the loop, against
 its bound, and checks the refusal where it does not."""
 
+import copy
 import math
 
 import pytest
@@ -17,7 +21,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fastdp import PrivacyEngine
+from fastdp.algorithms import Batch
+from fastdp.nn import UnsupportedLayerError
 from fastdp.train.models import build_model
+from tests.variants import make_variant
 
 VARIANTS = {
     "dpsgd": dict(max_grad_norm=1.0),
@@ -138,3 +145,120 @@ def test_two_loader_batches_per_step_are_refused():
             if i == 6:
                 break
     assert 1 <= engine.accountant.steps <= 3  # logical batches of ~10 in physical batches of at most 3
+
+
+# ------------------------------------------------------------------------------------ buffers written from the batch
+
+
+class RunningMax(nn.Module):
+    """Identity in training mode, keeping the batch's running maximum for evaluation (the InstanceNorm
+    track_running_stats pattern, written by hand): ``how`` the buffer is written."""
+
+    def __init__(self, how: str = "copy_") -> None:
+        super().__init__()
+        self.how = how
+        self.register_buffer("running_max", torch.zeros(D))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                top = torch.maximum(self.running_max, x.amax(0))
+                if self.how == "copy_":
+                    self.running_max.copy_(top)
+                elif self.how == "data":  # bypasses the version counter: caught by value on the first step
+                    self.running_max.data.copy_(top)
+                else:  # "assign": a new tensor in the buffer's place
+                    self.running_max = top
+            return x
+        return x / self.running_max.clamp_min(1)
+
+
+class Unwritten(nn.Module):
+    """A buffer read but never written (a constant table, a position index): allowed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((D,), 0.5))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def _with_first(first: nn.Module, variant: str = "dpsgd") -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(first, nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _private_model(model: nn.Module, variant: str):
+    data = TensorDataset(torch.randn(100, D), torch.randint(0, 2, (100,)))
+    engine = PrivacyEngine(accountant="rdp")
+    return engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=10), noise_multiplier=1.0, variant=variant, **VARIANTS[variant],
+    )[:2]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["dpsgd", "backprop"])
+@pytest.mark.parametrize("first", ["observer", "copy_", "data", "assign"])
+def test_a_buffer_written_from_the_batch_is_refused_before_the_release(variant, first):
+    """The target's secret value would be in the released state dict (measured: 123.456 in the observer's max_val
+    with OS-entropy noise on the gradient); the step is refused before anything is released or updated."""
+    module = torch.ao.quantization.MinMaxObserver() if first == "observer" else RunningMax(first)
+    model = _with_first(module, variant)
+    private, optimizer = _private_model(model, variant)
+    x, y = _batch()
+    x[3, 5] = 123.456
+    weights = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    _loss(private, x, y).backward()
+    with pytest.raises(UnsupportedLayerError, match=r"wrote its buffers .*0\.(max_val|running_max)"):
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
+
+
+def test_a_buffer_written_on_a_later_step_is_refused():
+    """On later steps the watch sees in-place writes and replacements by version counter and storage (no copy, no
+    device read); by value (writes through ``.data``) on the model's first step only, as the row probe."""
+    module = RunningMax("copy_")
+    private, optimizer = _private_model(_with_first(module), "dpsgd")
+    x, y = _batch()
+    module.train(False)  # the first steps do not write: they pass
+    for _ in range(2):
+        optimizer.zero_grad()
+        _loss(private, x, y).backward()
+        optimizer.step()
+    module.train(True)  # an in-place write on a later step is refused
+    optimizer.zero_grad()
+    _loss(private, x, y).backward()
+    with pytest.raises(UnsupportedLayerError, match="running_max"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("variant", ["dpsgd", "backprop", "clipless", "weightclip"])
+def test_the_variant_api_refuses_a_written_buffer_and_accepts_read_ones(variant):
+    """fastdp's variant API (the trainer's path) watches the same way; a buffer only read, and the Lipschitz layers'
+    own certificates (written from the weights at the release and projection), pass."""
+    v = make_variant(variant, 4.0, 100)
+    base = _model(variant)
+    x, y = _batch()
+    x = x.clamp(-1, 1)
+    batch = Batch(x, y, torch.ones(6, dtype=torch.bool))
+    for first, refused in ((Unwritten(), False), (RunningMax("copy_"), True)):
+        if variant in ("clipless", "weightclip"):  # every layer needs a bound rule: a buffer of the container
+            model = copy.deepcopy(base)
+            model.register_buffer("running_max", torch.zeros(D))
+            if refused:
+
+                def write(module, args):
+                    module.running_max.add_(1.0)
+
+                model.register_forward_pre_hook(write)
+        else:
+            model = nn.Sequential(first, *copy.deepcopy(base))
+        if refused:
+            with pytest.raises(UnsupportedLayerError, match="running_max"):
+                v.gradient(model, batch, 0)
+        else:
+            v.gradient(model, batch, 0)
+            v.after_step(model)
+            v.gradient(model, batch, 1)

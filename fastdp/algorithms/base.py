@@ -22,6 +22,7 @@ import abc
 import contextlib
 import contextvars
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from fastdp.nn.ghost import output_gradients
 from fastdp.nn.layers import own_trainable
 from fastdp.nn.rows import RowProbe, row_functional
-from fastdp.nn.validate import check_parameter_dtypes
+from fastdp.nn.validate import BufferWatch, check_parameter_dtypes
 from fastdp.ops import OptimizerUpdate, add_noise_, release_
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 
@@ -327,15 +328,28 @@ class Variant(abc.ABC):
         self.check_parameters(model)  # every step, before anything is computed: dtypes can change between steps
         for p in trainable_parameters(model):  # overwritten at the release: not held through the forward and backward
             p.grad = None
+        self.prepare(model)
+        watch = self.watch_buffers(model)
         sums, loss = self._clipped_sum_step(model, batches[0], step)
         for micro in batches[1:]:
             more, more_loss = self._clipped_sum_step(model, micro, step)
             torch._foreach_add_(sums, more)
             loss = loss + more_loss
+        self.check_buffers(model, watch)
         if all_reduce_sum is not None:
             loss = self.reduce(sums, loss, all_reduce_sum)
         self._release_step(model, sums, step)
         return loss
+
+    def watch_buffers(self, model: torch.nn.Module) -> BufferWatch:
+        """A watch on the model's buffers for one step (``fastdp.nn.validate.BufferWatch``), by value on the model's
+        first step; :meth:`check_buffers` refuses the step, before its release, if the step wrote one."""
+        probed = self.__dict__.setdefault("_buffers_probed", weakref.WeakSet())
+        return BufferWatch(model, values=model not in probed)
+
+    def check_buffers(self, model: torch.nn.Module, watch: BufferWatch) -> None:
+        watch.check(f"variant {self.name!r}")
+        self.__dict__["_buffers_probed"].add(model)
 
     def reduce(self, sums: list[torch.Tensor], loss: torch.Tensor, all_reduce_sum) -> torch.Tensor:
         """Data-parallel training (``fastdp.engine.distributed``), between :meth:`clipped_sum` and :meth:`release`:

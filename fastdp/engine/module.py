@@ -81,6 +81,7 @@ class PrivateModule(nn.Module):
         self._variant = variant
         self._pending: list[Recorded] = []
         self._internal_loss = False
+        self._buffer_watch = None  # the step's watch on the model's buffers, from its first training forward
 
     def __getattr__(self, name: str):
         try:
@@ -98,6 +99,8 @@ class PrivateModule(nn.Module):
                 "inputs (the first dimension of the first tensor argument is the number of examples)"
             )
         inputs = (args, kwargs)
+        if self._buffer_watch is None:
+            self._buffer_watch = self._variant.watch_buffers(self._module)
         if self._variant.front_door == "ghost":
             with GhostClipping(examples, self._variant.form_budget) as ctx:
                 out = self._module(*args, **kwargs)
@@ -147,7 +150,15 @@ class PrivateModule(nn.Module):
         pending, self._pending = self._pending, []
         return pending
 
+    def check_buffers(self) -> None:
+        """Refuse the step if its forwards, backward or row probe wrote a buffer of the model (a statistic of the
+        batch saved with the model, unnoised: ``fastdp.nn.validate.BufferWatch``); then watch the next step's."""
+        watch, self._buffer_watch = self._buffer_watch, None
+        if watch is not None:
+            self._variant.check_buffers(self._module, watch)
+
     def forget_recorded(self) -> None:
-        """Drop what the forwards since the last step recorded (``optimizer.zero_grad()``)."""
+        """Drop what the forwards since the last step recorded (``optimizer.zero_grad()``). The buffer watch stays:
+        a buffer written by a forward before ``zero_grad()`` is as released as one written after it."""
         self._pending = []
         self._internal_loss = False

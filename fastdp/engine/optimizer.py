@@ -273,6 +273,7 @@ class DPOptimizer(Optimizer):
                 self._sums = sums
             else:
                 torch._foreach_add_(self._sums, sums)
+        self.module.check_buffers()  # after the row probe's forwards too, before anything is released
         skip, self._skip_next = self._skip_next, False
         return not skip
 

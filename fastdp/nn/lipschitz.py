@@ -251,6 +251,10 @@ class LipschitzLinear(LipschitzModule):
     per step instead of the Gram iteration's 12.
     """
 
+    # the certificate and the Lanczos warm start: written from the weights at the release and the projection, never
+    # from the batch (fastdp.nn.validate.BufferWatch)
+    dp_bookkeeping_buffers = ("_certified_norm", "_lanczos")
+
     def __init__(
         self,
         in_features: int,

@@ -39,6 +39,7 @@ from fastdp.nn.layers import DP_LAYERS, DPLayer, attention_projections, conversi
 
 __all__ = [
     "PARAMETER_DTYPES",
+    "BufferWatch",
     "VARIANT_NAMES",
     "Problem",
     "UnsupportedLayerError",
@@ -88,6 +89,75 @@ class UnsupportedLayerError(ValueError):
     def __init__(self, message: str, problems: Sequence[Problem] = ()) -> None:
         super().__init__(message)
         self.problems = list(problems)
+
+
+class BufferWatch:
+    """The model's buffers as they are now, to refuse a private step in which one was written: a buffer written
+    from the batch (running statistics, a quantisation observer's min/max, a cache of the inputs) is saved with the
+    model, unnoised. :meth:`check` raises :class:`UnsupportedLayerError` naming each buffer replaced, added, removed
+    or written in place since the watch began. In-place writes are seen by the tensor's version counter and storage
+    (no copy, no device read); with ``values=True`` (a model's first private step, once per model: the row probe's
+    rhythm) also by value, which catches writes that bypass the counter (``buf.data.copy_``, NumPy views).
+
+    Buffers fastdp's own layers keep outside the training forward (a certificate computed from the weights: the
+    names in a module's ``dp_bookkeeping_buffers``) are not watched."""
+
+    def __init__(self, model: nn.Module, values: bool = False) -> None:
+        self._model = model
+        self._state = {key: (buf, _version_of(buf), buf.detach().clone() if values and buf is not None else None)
+                       for key, buf in _watched_buffers(model).items()}  # fmt: skip
+
+    def changed(self) -> list[str]:
+        """The names of the buffers that changed since the watch began."""
+        now = _watched_buffers(self._model)
+        names = [name for name in self._state if name not in now]
+        for name, buf in now.items():
+            if name not in self._state:
+                names.append(name)
+                continue
+            old, version, values = self._state[name]
+            if buf is None or old is None:
+                if buf is not old:
+                    names.append(name)
+            elif buf is not old or _version_of(buf) != version:
+                names.append(name)
+            elif values is not None and not _same_values(buf, values):
+                names.append(name)
+        return names
+
+    def check(self, what: str) -> None:
+        changed = self.changed()
+        if changed:
+            raise UnsupportedLayerError(
+                f"{what}: the model wrote its buffers {', '.join(changed)} during the private step. A buffer "
+                "written from the batch (running statistics, a quantisation observer's min/max, a cache of the inputs) "
+                "is saved with the model without noise, so it releases the examples it read. Keep such modules out of "
+                "the private step (put them in eval() mode, freeze their statistics, or compute them on public data)"
+            )
+
+
+def _watched_buffers(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    watched = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        exempt = getattr(module, "dp_bookkeeping_buffers", ())
+        for name, buf in module._buffers.items():
+            if name not in exempt:
+                watched[f"{module_name}.{name}" if module_name else name] = buf
+    return watched
+
+
+def _version_of(buf: torch.Tensor | None) -> tuple | None:
+    if buf is None:
+        return None
+    try:
+        version = buf._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot be written in place outside one)
+        version = -1
+    return version, buf.data_ptr(), tuple(buf.shape), buf.dtype
+
+
+def _same_values(buf: torch.Tensor, values: torch.Tensor) -> bool:
+    return buf.shape == values.shape and buf.dtype == values.dtype and bool(torch.equal(buf.detach(), values))
 
 
 @dataclass(frozen=True)
