@@ -14,6 +14,7 @@ its bound, and checks the refusal where it does not."""
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fastdp import PrivacyEngine
 from fastdp.algorithms import Batch
 from fastdp.nn import UnsupportedLayerError
+from fastdp.nn.lipschitz import LipschitzModule
 from fastdp.train.models import build_model
 from tests.variants import make_variant
 
@@ -184,6 +186,34 @@ class Unwritten(nn.Module):
         return x * self.scale
 
 
+class LipschitzIdentity(LipschitzModule):
+    """A user's layer with its own bound rules (the identity's) and a buffer it only reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        return x * self.scale
+
+    def propagate(self, x_bound):
+        return x_bound
+
+    def backpropagate(self, g_bound):
+        return g_bound
+
+
+class LipschitzRunningMax(LipschitzIdentity):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_max", torch.zeros(()))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.running_max.copy_(torch.maximum(self.running_max, x.abs().amax()))
+        return x
+
+
 def _with_first(first: nn.Module, variant: str = "dpsgd") -> nn.Module:
     torch.manual_seed(1)
     return nn.Sequential(first, nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 2))
@@ -244,15 +274,8 @@ def test_the_variant_api_refuses_a_written_buffer_and_accepts_read_ones(variant)
     x = x.clamp(-1, 1)
     batch = Batch(x, y, torch.ones(6, dtype=torch.bool))
     for first, refused in ((Unwritten(), False), (RunningMax("copy_"), True)):
-        if variant in ("clipless", "weightclip"):  # every layer needs a bound rule: a buffer of the container
-            model = copy.deepcopy(base)
-            model.register_buffer("running_max", torch.zeros(D))
-            if refused:
-
-                def write(module, args):
-                    module.running_max.add_(1.0)
-
-                model.register_forward_pre_hook(write)
+        if variant in ("clipless", "weightclip"):  # every layer needs a bound rule: a user's own 1-Lipschitz layer
+            model = nn.Sequential(LipschitzRunningMax() if refused else LipschitzIdentity(), *copy.deepcopy(base))
         else:
             model = nn.Sequential(first, *copy.deepcopy(base))
         if refused:
@@ -262,3 +285,110 @@ def test_the_variant_api_refuses_a_written_buffer_and_accepts_read_ones(variant)
             v.gradient(model, batch, 0)
             v.after_step(model)
             v.gradient(model, batch, 1)
+
+
+# ------------------------------------------------------------------- Lipschitz bound rules that do not cover a layer
+
+
+class Amplified(nn.Sequential):
+    def forward(self, x):
+        return 10 * super().forward(x)
+
+
+class LoudReLU(nn.ReLU):
+    def forward(self, x):
+        return 10 * super().forward(x)
+
+
+def _lipschitz(variant: str, middle: nn.Module | None = None) -> nn.Module:
+    base = _model(variant)
+    layers = list(base)
+    if middle is not None:
+        layers.insert(2, middle)
+    return nn.Sequential(*layers)
+
+
+def _refused(model: nn.Module, variant: str, match: str) -> None:
+    v = make_variant(variant, 4.0, 100)
+    x, y = _batch()
+    with pytest.raises(ValueError, match=re.escape(match)):
+        v.gradient(model, Batch(x, y, torch.ones(6, dtype=torch.bool)), 0)
+    assert match in " ".join(p.what for p in fastdp_validate(model, variant))
+
+
+def fastdp_validate(model, variant):
+    from fastdp.nn import validate
+
+    return validate(model, variant)
+
+
+@pytest.mark.parametrize("variant", ["clipless", "weightclip"])
+def test_a_subclass_overriding_forward_is_not_covered_by_its_class_rule(variant):
+    """A Sequential or ReLU subclass whose forward scales by 10 passed as its class (measured: 9.99x and 8.85x the
+    per-tensor bound for clipless, 4.45x for weightclip); a subclass that keeps the forward still passes."""
+    base = _model(variant)
+    _refused(Amplified(*base), variant, "overrides forward of Sequential")
+    if variant == "clipless":
+        _refused(_lipschitz(variant, LoudReLU()), variant, "overrides forward of ReLU")
+
+    class Named(nn.Sequential):  # no forward of its own: the Sequential's rule holds
+        pass
+
+    v = make_variant(variant, 4.0, 100)
+    x, y = _batch()
+    v.gradient(Named(*_model(variant)), Batch(x, y, torch.ones(6, dtype=torch.bool)), 0)
+
+
+def test_a_subclass_of_a_fastdp_layer_needs_its_own_rules_and_a_user_layer_states_them():
+    from fastdp.nn.lipschitz import GroupSort2, LipschitzLinear
+
+    class Doubled(GroupSort2):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class DoubledWithRules(Doubled):
+        def propagate(self, x_bound):
+            return 2 * x_bound
+
+        def backpropagate(self, g_bound):
+            return 2 * g_bound
+
+    class Bare(LipschitzModule):  # the defaults (parameter-free, 1-Lipschitz) are not a rule fastdp can check
+        def forward(self, x):
+            return 3 * x
+
+    class Widened(LipschitzLinear):
+        def forward(self, x):
+            return super().forward(2 * x)
+
+    _refused(_lipschitz("clipless", Doubled()), "clipless", "without bound rules of its own (propagate, backpropagate)")
+    _refused(_lipschitz("clipless", Bare()), "clipless", "without its own bound rules")
+    model = _lipschitz("clipless", Widened(D, D))  # before the first LipschitzLinear
+    _refused(model, "clipless", "(propagate, backpropagate, sensitivities)")
+    v = make_variant("clipless", 4.0, 100)
+    x, y = _batch()
+    v.gradient(_lipschitz("clipless", DoubledWithRules()), Batch(x, y, torch.ones(6, dtype=torch.bool)), 0)
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "full_backward", "global"])
+def test_a_module_hook_on_a_lipschitz_layer_is_refused(kind):
+    """A hook changes what a layer computes (or backpropagates) beyond its rule: on any layer the bounds walk, or
+    registered globally for every module."""
+    model = _lipschitz("clipless")
+    layer = model[2]  # the first LipschitzLinear
+
+    def scale(module, args, output):
+        return 10 * output
+
+    if kind == "forward":
+        handle = layer.register_forward_hook(scale)
+    elif kind == "forward_pre":
+        handle = layer.register_forward_pre_hook(lambda m, args: (10 * args[0],))
+    elif kind == "full_backward":
+        handle = layer.register_full_backward_hook(lambda m, gi, go: tuple(None if g is None else 10 * g for g in gi))
+    else:
+        handle = nn.modules.module.register_module_forward_hook(scale)
+    try:
+        _refused(model, "clipless", "module hooks")
+    finally:
+        handle.remove()

@@ -348,6 +348,8 @@ class Variant(abc.ABC):
         return BufferWatch(model, values=model not in probed)
 
     def check_buffers(self, model: torch.nn.Module, watch: BufferWatch) -> None:
+        if not self.private:  # non-private training releases the batch's statistics like everything else
+            return
         watch.check(f"variant {self.name!r}")
         self.__dict__["_buffers_probed"].add(model)
 

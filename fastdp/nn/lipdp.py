@@ -43,6 +43,7 @@ from fastdp.nn.lipschitz import (
     _bounds_pass,
     _forward_bounds,
     _l2_norm,
+    _listed,
     _unsupported,
     fraction_up,
     mul_up,
@@ -326,8 +327,8 @@ def lipschitz_constant(model: nn.Module) -> Bound:
     is refused. ValueError also for a layer without bound rules (the same message as ``lipschitz_bounds``)."""
     unsupported = _unsupported(model)
     if unsupported:
-        raise ValueError(f"these layers have no Lipschitz bound rule, so the model has no certified Lipschitz "
-                         f"constant: {', '.join(unsupported)}")  # fmt: skip
+        raise ValueError(f"these layers have no Lipschitz bound rule that covers them, so the model has no certified "
+                         f"Lipschitz constant: {_listed(unsupported)}")  # fmt: skip
     if any(isinstance(m, ClipGradient) for m in model.modules()):
         raise ValueError(
             "the model contains ClipGradient, whose backward rule min(g, clip) is not a Lipschitz constant of its "

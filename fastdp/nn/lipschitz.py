@@ -723,26 +723,77 @@ _RULES = (
 )
 
 
+_FORWARD_METHODS = ("forward", "__call__", "_call_impl")  # what decides a layer's output (fastdp.nn.layers')
+_RULE_METHODS = ("propagate", "backpropagate")
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _rule_problem(layer: nn.Module) -> str | None:
+    """Why ``layer``'s bound rule does not cover what it computes, or None where it does. A rule is a class's: torch's
+    Sequential, Flatten, Identity and ReLU, or a :class:`LipschitzModule`'s rule methods. It covers a subclass only
+    if the subclass computes what its class does: a torch class's subclass overriding its forward does not (its
+    output need not be the class's), nor does a subclass of a fastdp layer overriding its forward without rules of
+    its own (``propagate`` and ``backpropagate``, and ``sensitivities`` with parameters: a user's own rule). A module
+    hook (forward or backward, the module's or global) changes what the layer computes or backpropagates: refused."""
+    hooks = [name for name in _HOOKS if getattr(layer, name, None)]
+    hooks += [name for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                                "_global_backward_pre_hooks") if getattr(nn.modules.module, name, None)]  # fmt: skip
+    if hooks:
+        return f"has module hooks ({', '.join(hooks)}), which change what it computes beyond its bound rule"
+    cls = type(layer)
+    torch_class = next((k for k in (nn.Sequential, *_PARAMETER_FREE_OK) if isinstance(layer, k)), None)
+    if torch_class is not None:
+        chain = cls.__mro__[: cls.__mro__.index(torch_class)]
+        overridden = [name for klass in chain for name in _FORWARD_METHODS if name in vars(klass)]
+        if overridden:
+            return (f"overrides {', '.join(dict.fromkeys(overridden))} of {torch_class.__name__}, whose bound rule "
+                    "then need not hold for its output")  # fmt: skip
+        return None
+    if not isinstance(layer, LipschitzModule):
+        return _NO_RULE
+    own = [k for k in cls.__mro__ if issubclass(k, LipschitzModule) and not k.__module__.startswith("fastdp.")]
+    forwards = [name for k in own for name in _FORWARD_METHODS if name in vars(k)]
+    needed = _RULE_METHODS + (("sensitivities",) if any(True for _ in layer.parameters(recurse=False)) else ())
+    missing = [name for name in needed if not any(name in vars(k) for k in own)]
+    base = next((k for k in cls.__mro__ if k.__module__.startswith("fastdp.")), LipschitzModule)
+    if forwards and missing and base is not LipschitzModule:
+        return (f"overrides {', '.join(dict.fromkeys(forwards))} of fastdp's {base.__name__} without bound rules of "
+                f"its own ({', '.join(missing)}): {base.__name__}'s need not hold for its output")  # fmt: skip
+    if own and missing and base is LipschitzModule:
+        return (
+            f"is a LipschitzModule without its own bound rules ({', '.join(missing)}): define them (the "
+            "defaults are those of a parameter-free 1-Lipschitz map, which fastdp cannot check for your layer)"
+        )
+    return None
+
+
 def _check(layer: nn.Module) -> None:
-    if isinstance(layer, (LipschitzModule, nn.Sequential, *_PARAMETER_FREE_OK)):
-        return
-    raise ValueError(
-        f"{type(layer).__name__} has no Lipschitz bound rule; clipless training needs every layer to have one "
-        f"({_RULES})"
-    )
+    problem = _rule_problem(layer)
+    if problem is not None:
+        raise ValueError(
+            f"{type(layer).__name__} {problem}; clipless training needs every layer to have a bound rule that covers "
+            f"it ({_RULES})"
+        )
 
 
-def _unsupported(model: nn.Module, path: str = "") -> list[str]:
-    """'name (Type)' of every layer in the chain :func:`lipschitz_bounds` walks (nested Sequentials included) that
-    has no bound rule, so one error can list them all."""
-    if isinstance(model, nn.Sequential):
-        found = []
+def _unsupported(model: nn.Module, path: str = "") -> list[tuple[str, str, str]]:
+    """(path, type name, why) of every layer in the chain :func:`lipschitz_bounds` walks (nested Sequentials
+    included) whose bound rule does not cover it (:func:`_rule_problem`), so one error can list them all."""
+    problem = _rule_problem(model)
+    found = [(path, type(model).__name__, problem)] if problem is not None else []
+    if isinstance(model, nn.Sequential) and problem is None:
         for name, layer in model.named_children():
             found += _unsupported(layer, f"{path}.{name}" if path else name)
-        return found
-    if isinstance(model, (LipschitzModule, *_PARAMETER_FREE_OK)):
-        return []
-    return [f"{path or '<model>'} ({type(model).__name__})"]
+    return found
+
+
+_NO_RULE = "has no Lipschitz bound rule"
+
+
+def _listed(unsupported: list[tuple[str, str, str]]) -> str:
+    """What :func:`_unsupported` found, for an error message: 'path (Type)' or 'path (Type): why'."""
+    return ", ".join(f"{path or '<model>'} ({kind}){'' if why == _NO_RULE else ': ' + why}"
+                     for path, kind, why in unsupported)  # fmt: skip
 
 
 _UNBOUNDED = (
@@ -806,8 +857,8 @@ def lipschitz_bounds(
     unsupported = _unsupported(model)
     if unsupported:
         raise ValueError(
-            "these layers have no Lipschitz bound rule, so clipless/weightclip training cannot bound their per-example "
-            f"gradients: {', '.join(unsupported)}. Every layer needs one ({_RULES})"
+            "these layers have no Lipschitz bound rule that covers them, so clipless/weightclip training cannot bound "
+            f"their per-example gradients: {_listed(unsupported)}. Every layer needs one ({_RULES})"
         )
     _bounds_pass.memo = {}
     try:

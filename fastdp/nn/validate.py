@@ -628,7 +628,7 @@ def _lipschitz_alternative(kind: str, container: bool) -> str:
 def _lipschitz_problems(model: nn.Module) -> list[Problem]:
     """Every layer :func:`fastdp.nn.lipschitz.lipschitz_bounds` would walk without a bound rule (its own check,
     ``_unsupported``, on the model's chain and on the block of every Residual the chain reaches)."""
-    from fastdp.nn.lipschitz import Residual, _unsupported
+    from fastdp.nn.lipschitz import _NO_RULE, Residual, _unsupported
 
     found = _unsupported(model)
 
@@ -643,15 +643,13 @@ def _lipschitz_problems(model: nn.Module) -> list[Problem]:
 
     residual_blocks(model, "")
     problems = []
-    for entry in found:
-        path, _, rest = entry.rpartition(" (")
-        path = "" if path == "<model>" else path
-        kind = rest.removesuffix(")")
+    for path, kind, why in found:
         module = model.get_submodule(path)
         container = any(True for _ in module.children()) and not isinstance(module, nn.Sequential)
+        what = "no Lipschitz bound rule" if why == _NO_RULE else f"a bound rule that does not cover it (it {why})"
         problems.append(Problem(
             path, kind, "no-lipschitz-rule",
-            "no Lipschitz bound rule, so clipless/weightclip training cannot bound the per-example gradients",
+            f"{what}, so clipless/weightclip training cannot bound the per-example gradients",
             _lipschitz_alternative(kind, container),
         ))  # fmt: skip
     return problems
