@@ -392,3 +392,39 @@ def test_a_module_hook_on_a_lipschitz_layer_is_refused(kind):
         _refused(model, "clipless", "module hooks")
     finally:
         handle.remove()
+
+
+# ------------------------------------------------------------------ mixing through a row the probe did not replace
+
+
+class BatchMaxScale(nn.Module):
+    """Every example scaled by the batch's largest entry (held by a middle example)."""
+
+    def forward(self, x):
+        return x / x.detach().abs().amax()
+
+
+class AddRowOne(nn.Module):
+    """Every example reads row 1 (an anchor or prototype row)."""
+
+    def forward(self, x):
+        return x + x[1:2]
+
+
+@pytest.mark.parametrize("mixer", [BatchMaxScale, AddRowOne])
+@pytest.mark.parametrize("batch", [5, 32])
+def test_mixing_through_a_middle_row_is_refused(mixer, batch):
+    """The probe replaced only the first and the last example: a statistic held by a middle example, or a middle row
+    every example reads, moved the release by 2.63 C and 8.91 C at B = 32 (second review). Replacing each half of
+    the rows by bit of the index catches any pair; the model is refused before anything is released."""
+    torch.manual_seed(0)
+    model = nn.Sequential(mixer(), nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 2))
+    private, optimizer = _private_model(model, "dpsgd")
+    gen = torch.Generator().manual_seed(batch)
+    x, y = torch.randn(batch, D, generator=gen), torch.randint(0, 2, (batch,), generator=gen)
+    target = batch // 2 if mixer is BatchMaxScale else 1
+    x[target, 0] = 50.0
+    optimizer.zero_grad()
+    _loss(private, x, y).backward()
+    with pytest.raises(UnsupportedLayerError, match="needs each row of the batch to be one example"):
+        optimizer.step()

@@ -6,20 +6,21 @@ norms per example, depend on example i alone. A comparison of sizes cannot estab
 clipped per position, not per example; a model that mixes examples (a statistic over the batch, a layer applied along
 the batch dimension after a transpose) passes any shape check.
 
-The probe establishes it for a batch by experiment: it runs the model's forward three times, the second and third
-with the first and with the last example's input replaced by another example's, and requires that nothing else
-changes: the per-example losses of the
-other examples, and the other rows of every watched layer's input. Same shapes, same kernels, same dropout masks
-(the generator state is forked and reset for both runs), so an unchanged row is bitwise unchanged; rows are compared
-through small float64 fingerprints (a random projection, the squared norm, the non-finite count: no activation is
-kept), with a tolerance of ``TOLERANCE`` of each row's norm for kernels that are not bitwise reproducible. With
-ghost clipping the probe also runs one backward per input (of a squared per-example functional of the outputs) and
-requires that the other examples' rows of every DP layer's output gradient do not change either: a layer on an
-input shared by the batch (a position index whose length happens to equal the batch size) has rows that are not
-examples, though its input rows never change. A batch whose examples are all the same, or that holds a non-finite
-entry (NaN rows would hide a change), is probed on random inputs of its shape instead (for token ids: ids up to
-the batch's largest); an experiment that stays inconclusive (a batch of one, or of token id 0 only) says so, proves
-nothing, and the next batch is probed.
+The probe establishes it for a batch by experiment: it runs the model's forward on the batch and on the batch with
+some examples' inputs replaced by others' (the first example alone, the last alone, then for every bit of the row
+index the rows with that bit set and those with it clear: any two examples differ in a bit, so whichever row mixes
+into which, one experiment changes it and watches the other; 3 + 2 ceil(log2 B) forwards), and requires that nothing
+else changes: the per-example losses of the other examples, and the other rows of every watched layer's input. Same
+shapes, same kernels, same dropout masks (the generator state is forked and reset for every run), so an unchanged
+row is bitwise unchanged; rows are compared through small float64 fingerprints (a random projection, the squared
+norm, the non-finite count: no activation is kept), with a tolerance of ``TOLERANCE`` of each row's norm for kernels
+that are not bitwise reproducible. With ghost clipping the probe also runs one backward per input (of a squared
+per-example functional of the outputs) and requires that the other examples' rows of every DP layer's output
+gradient do not change either: a layer on an input shared by the batch (a position index whose length happens to
+equal the batch size) has rows that are not examples, though its input rows never change. A batch whose examples are
+all the same, or that holds a non-finite entry (NaN rows would hide a change), is probed on random inputs of its
+shape instead (for token ids: ids up to the batch's largest); an experiment that stays inconclusive (a batch of one,
+or of token id 0 only) says so, proves nothing, and the next batch is probed.
 
 Models whose computation does not depend on the data's values (no data-dependent control flow over the batch) give
 the same answer for every batch of the same shape; :class:`RowProbe` therefore probes once per shape signature: the
@@ -116,19 +117,30 @@ def _map_rows(fn, x, batch: int):
     return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, x)
 
 
-def _picks(x, batch: int) -> list[tuple[int, int]]:
-    """[(k, m)]: example k's input is replaced by example m's, for k the first and the last example (two experiments:
-    a model that routes every example's gradient through one row, ``pos[0]`` of a shared lookup expanded to the
-    batch, changes only row k when example k is the one replaced), m the example that differs from k in the most
+def _picks(x, batch: int) -> list[tuple[list[int], list[int]]]:
+    """[(rows, sources)]: the inputs of the examples ``rows`` are replaced by those of ``sources`` (one each), and
+    every other row must stay as it was. First two single experiments, k the first and the last example (a model
+    that routes every example's gradient through one row, ``pos[0]`` of a shared lookup expanded to the batch,
+    changes only row k when example k is the one replaced), each from the example that differs from k in the most
     batch-first tensors (a model that mixes examples through one argument, a mask's mean over the batch, shows it
-    only when that argument changes); empty if all examples are equal."""
+    only when that argument changes); then, for every bit of the row index, the rows with that bit set and those
+    with it clear, each replaced by rows of the other half: any two examples i != j differ in a bit, so some
+    experiment changes i and watches j, whichever row mixes into which (a statistic held by a middle example, a row
+    every example reads); 2 ceil(log2 B) experiments. Empty if all examples are equal."""
     flats = [t.reshape(batch, -1) for t in _rows_of(x, batch)]
     picks = []
     for k in (0, batch - 1):
         differing = [sum(not torch.equal(flat[k], flat[m]) for flat in flats) if m != k else 0 for m in range(batch)]
         best = max(differing)
         if best:
-            picks.append((k, differing.index(best)))
+            picks.append(([k], [differing.index(best)]))
+    if not picks:
+        return []
+    for bit in range((batch - 1).bit_length()):
+        high = [i for i in range(batch) if i >> bit & 1]
+        low = [i for i in range(batch) if not i >> bit & 1]
+        for rows, others in ((high, low), (low, high)):
+            picks.append((rows, [others[j % len(others)] for j in range(len(rows))]))
     return picks
 
 
@@ -188,17 +200,17 @@ def probe_rows(
         if not picks:
             return None
 
-    def replaced(k: int, m: int):
+    def replaced(rows: list[int], sources: list[int]):
         def replace(t: torch.Tensor) -> torch.Tensor:
             t = t.clone()
-            t[k] = t[m]
+            t[rows] = t[sources]
             return t
 
         return replace
 
     names = {id(module): name or "<model>" for name, module in model.named_modules()}
     runs = []
-    for inputs in (x, *(_map_rows(replaced(k, m), x, batch) for k, m in picks)):
+    for inputs in (x, *(_map_rows(replaced(rows, sources), x, batch) for rows, sources in picks)):
         seen: list[tuple[nn.Module, torch.Size, tuple, torch.Size]] = []  # layer, input shape and fingerprint, output
 
         def record(module, args, output, seen=seen):
@@ -224,8 +236,8 @@ def probe_rows(
                 grads = [(layer, g.shape, _fingerprint(g) if g.dim() and g.shape[0] == batch else None)
                          for layer, g in gradients(inputs)]  # fmt: skip
         runs.append((losses, seen, grads))
-    for (k, _), perturbed in zip(picks, runs[1:], strict=True):
-        _compare(runs[0], perturbed, k, batch, names, what)
+    for (rows, _), perturbed in zip(picks, runs[1:], strict=True):
+        _compare(runs[0], perturbed, rows, batch, names, what)
     sizes = set()
     for _, shape, _, out in runs[0][1]:
         sizes.update(shape[1:])
@@ -233,11 +245,11 @@ def probe_rows(
     return sizes
 
 
-def _compare(run, perturbed, k: int, batch: int, names: dict, what: str) -> None:
-    """Raise :class:`UnsupportedLayerError` naming what changed, outside row ``k``, between two probe runs."""
+def _compare(run, perturbed, rows: list[int], batch: int, names: dict, what: str) -> None:
+    """Raise :class:`UnsupportedLayerError` naming what changed, outside ``rows``, between two probe runs."""
     (losses, seen, grads), (losses_p, seen_p, grads_p) = run, perturbed
     keep = torch.ones(batch, dtype=torch.bool, device=losses.device)
-    keep[k] = False
+    keep[rows] = False
     mixed = []
     if _rows_differ(_fingerprint(losses.reshape(batch, -1)), _fingerprint(losses_p.reshape(batch, -1)), keep):
         mixed.append("the per-example losses (the loss or the model mixes examples)")
@@ -253,15 +265,20 @@ def _compare(run, perturbed, k: int, batch: int, names: dict, what: str) -> None
                          f"{tuple(shape)} (its rows are not the examples: an input shared by the batch?)")  # fmt: skip
     if mixed:
         raise UnsupportedLayerError(
-            f"{what} needs each row of the batch to be one example, but changing example {k} alone changed other "
-            "rows of: " + "; ".join(dict.fromkeys(mixed)) + ". A layer called on a sequence-first [T, B, ...] view "
-            "(e.g. an RNN or nn.MultiheadAttention given batch-first data without batch_first=True, or a transpose "
-            "before a Linear) is "
-            "applied per position, not per example, and an operation over the batch dimension (batch statistics, "
-            "a layer applied along it) makes one example change the others, and a layer called on an input shared "
-            "by the batch (a [T] position index broadcast over the examples) has rows that are not examples: keep "
-            "inputs batch-first (expand shared indices to [B, T]) and every example's computation its own"
+            f"{what} needs each row of the batch to be one example, but changing {_examples(rows)} alone changed "
+            "other rows of: " + "; ".join(dict.fromkeys(mixed)) + ". A layer called on a sequence-first [T, B, ...] "
+            "view (e.g. an RNN or nn.MultiheadAttention given batch-first data without batch_first=True, or a "
+            "transpose before a Linear) is applied per position, not per example, and an operation over the batch "
+            "dimension (batch statistics, a layer applied along it) makes one example change the others, and a "
+            "layer called on an input shared by the batch (a [T] position index broadcast over the examples) has "
+            "rows that are not examples: keep inputs batch-first (expand shared indices to [B, T]) and every "
+            "example's computation its own"
         )
+
+
+def _examples(rows: list[int]) -> str:
+    shown = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+    return f"example {rows[0]}" if len(rows) == 1 else f"examples {shown} ({len(rows)} of them)"
 
 
 class RowProbe:
