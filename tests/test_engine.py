@@ -251,6 +251,8 @@ def test_refusals():
         make(model=DifferentiallyPrivateDistributedDataParallel(_mlp()))
     with pytest.raises(ValueError, match="accounted by PLD only"):
         make(variant="jl")
+    with pytest.raises(ValueError, match="clipping='per_layer' is for variant 'dpsgd'"):
+        make(engine=PrivacyEngine(accountant="pld"), variant="jl", clipping="per_layer", max_grad_norm=[1.0, 1.0])
     with pytest.raises(ValueError, match="secure_mode refuses reproducible_seed"):
         make(engine=PrivacyEngine(accountant="rdp", secure_mode=True), reproducible_seed=3)
     with pytest.raises(UnsupportedLayerError, match="BatchNorm1d"):

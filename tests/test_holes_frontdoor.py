@@ -428,3 +428,25 @@ def test_mixing_through_a_middle_row_is_refused(mixer, batch):
     _loss(private, x, y).backward()
     with pytest.raises(UnsupportedLayerError, match="needs each row of the batch to be one example"):
         optimizer.step()
+
+
+# --------------------------------------------------------------------------------- unclear errors the review met
+
+
+@pytest.mark.parametrize("variant", ["dpsgd", "backprop"])
+@pytest.mark.parametrize("reparametrize", ["weight_norm", "spectral_norm"])
+def test_an_old_style_weight_norm_is_refused_by_name(variant, reparametrize):
+    """A Linear whose weight a WeightNorm/SpectralNorm hook computes from other parameters crashed in the step (a zip
+    ValueError, a KeyError at the release): now a refusal naming it, before anything is released."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        layer = getattr(nn.utils, reparametrize)(nn.Linear(D, 16))
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(16, 2))
+    with pytest.raises(UnsupportedLayerError, match=r"weight_norm|spectral_norm|weight_g|weight_orig"):
+        private, optimizer = _private_model(model, variant)
+        x, y = _batch()
+        optimizer.zero_grad()
+        _loss(private, x, y).backward()
+        optimizer.step()

@@ -182,6 +182,12 @@ class PrivacyEngine:
             if max_grad_norm is None:
                 raise TypeError(f"variant {variant!r} clips each example's gradient to max_grad_norm: pass one")
             per_layer = clipping == "per_layer"
+            if per_layer and variant == "jl":
+                raise ValueError(
+                    "variant 'jl' clips each example's whole gradient to one max_grad_norm (its estimated norm covers "
+                    "all layers at once): clipping='per_layer' is for variant 'dpsgd'; pass clipping='flat' and one "
+                    "number"
+                )
             if per_layer == isinstance(max_grad_norm, (int, float)):
                 raise ValueError(
                     "clipping='per_layer' needs max_grad_norm as a list (one bound per DP layer), and clipping='flat' "

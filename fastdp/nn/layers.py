@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 import torch.nn.utils.parametrize
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from fastdp.nn.forms import Dense, Form, Outer, Rows, outer_sum
 from fastdp.nn.ghost import active_context
@@ -875,6 +877,15 @@ def conversion(module: nn.Module) -> tuple[type | None, str | None]:
     base, dp = _supported_base(cls)
     if base is None:
         return None, None
+    hooked = [type(hook).__name__ for hook in module._forward_pre_hooks.values()
+              if isinstance(hook, (WeightNorm, SpectralNorm))]  # fmt: skip
+    if hooked:
+        return None, (
+            f"a {base.__name__} whose weight a {hooked[0]} hook computes before each forward (the old-style "
+            f"torch.nn.utils.{'weight_norm' if hooked[0] == 'WeightNorm' else 'spectral_norm'}) from parameters the "
+            f"{base.__name__}'s per-example norms do not cover; remove it (torch.nn.utils.remove_"
+            f"{'weight_norm' if hooked[0] == 'WeightNorm' else 'spectral_norm'}) or train a plain {base.__name__}"
+        )
     if base is cls and base in DP_LAYERS:
         return dp, None
     shown = f"{base.__module__}.{base.__qualname__}"

@@ -346,6 +346,17 @@ def check_backprop_supported(model: nn.Module) -> None:
         raise UnsupportedLayerError(
             "backprop clipping supports trainable Linear and Conv2d layers only; freeze or replace: " + ", ".join(bad)
         )
+    computed = []  # trainable parameters of a layer besides its weight and bias: a weight computed from them
+    for name, m in model.named_modules():
+        extra = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad and n not in ("weight", "bias")]
+        if isinstance(m, _BackpropClip) and extra:
+            computed.append(f"{_display(name)} ({type(m).__name__}: {', '.join(extra)})")
+    if computed:
+        raise UnsupportedLayerError(
+            "backprop clipping bounds a layer's weight and bias, but these layers compute their weight from other "
+            "parameters (the old-style torch.nn.utils.weight_norm or spectral_norm): " + ", ".join(computed) + ". "
+            "Remove the reparametrisation (torch.nn.utils.remove_weight_norm) or freeze those parameters"
+        )
     owners: dict[int, str] = {}
     for name, m in model.named_modules():
         if not isinstance(m, _BackpropClip):
