@@ -149,6 +149,57 @@ def test_two_loader_batches_per_step_are_refused():
     assert 1 <= engine.accountant.steps <= 3  # logical batches of ~10 in physical batches of at most 3
 
 
+def test_more_rows_than_the_loader_drew_are_refused():
+    """Rows the private loader did not sample: a batch concatenated with an augmented copy of itself (each example
+    two rows, each clipped to C: 2 C) and a batch used for a second step (a second release without a new Poisson
+    sample) are refused; the ordinary loop, a loop that draws the next batch before stepping (a prefetcher), and
+    worker processes with pinned memory are not."""
+    model, private, optimizer, engine, loader = _private("dpsgd")
+    batches = iter(loader)
+    x, y = next(batches)
+    optimizer.zero_grad()
+    _loss(private, torch.cat([x, x.flip(1)]), torch.cat([y, y])).backward()
+    with pytest.raises(ValueError, match=r"had \d+ rows, but the private data loader yielded \d+ examples"):
+        optimizer.step()
+    for again in range(2):
+        optimizer.zero_grad()
+        _loss(private, x, y).backward()
+        if again:
+            with pytest.raises(ValueError, match="a batch used for a second step"):
+                optimizer.step()
+        else:
+            x, y = next(batches)  # a fresh batch for the first
+            optimizer.zero_grad()
+            _loss(private, x, y).backward()
+            optimizer.step()
+    steps = engine.accountant.steps
+    ahead = next(batches)
+    for _ in range(3):  # prefetching: the next batch is drawn before this one's step
+        current, ahead = ahead, next(batches)
+        optimizer.zero_grad()
+        _loss(private, *current).backward()
+        optimizer.step()
+    assert engine.accountant.steps == steps + 3
+
+
+def test_the_row_count_survives_worker_processes_and_pinned_memory():
+    model = _model("dpsgd")
+    data = TensorDataset(torch.randn(100, D), torch.randint(0, 2, (100,)))
+    engine = PrivacyEngine(accountant="rdp")
+    private, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=10, num_workers=2, pin_memory=True), noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )  # fmt: skip
+    for i, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        _loss(private, x, y).backward()
+        optimizer.step()
+        if i == 3:
+            break
+    assert engine.accountant.steps == 4 and loader.examples_drawn > 0
+
+
 # ------------------------------------------------------------------------------------ buffers written from the batch
 
 

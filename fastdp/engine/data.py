@@ -14,6 +14,8 @@ never its values, reach the batch.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
@@ -54,6 +56,14 @@ class _BatchSampler:
             yield (indices if self.parallel is None else self.parallel.shard(indices)).tolist()
 
 
+class _Counted(NamedTuple):
+    """A collated batch with its number of examples: counted in the main process as it is yielded (a NamedTuple, so
+    that workers pickle it and pin_memory pins the batch inside)."""
+
+    examples: int
+    batch: Any
+
+
 class DPDataLoader(DataLoader):
     """A ``DataLoader`` of Poisson batches with expected size ``sample_rate * len(dataset)``; see the module
     docstring. Built by :meth:`from_data_loader` (what ``PrivacyEngine.make_private`` does with the user's loader)."""
@@ -79,18 +89,26 @@ class DPDataLoader(DataLoader):
         self.poisson = PoissonSampler(len(dataset), sample_rate, steps_per_epoch, reproducible_seed)
         self.sample_rate = self.poisson.sample_rate
         self._collate = collate_fn if collate_fn is not None else default_collate
+        self.examples_drawn = 0  # examples in the batches yielded so far (this process's shard, data-parallel)
         super().__init__(dataset, batch_sampler=_BatchSampler(self.poisson, parallel),
                          collate_fn=self._collate_or_empty, **loader_kwargs)  # fmt: skip
+
+    def __iter__(self):
+        """The batches, each counted into :attr:`examples_drawn` as it is yielded (the private optimizer checks that
+        a step's forwards had no more rows than the examples drawn for it)."""
+        for counted in super().__iter__():
+            self.examples_drawn += counted.examples
+            yield counted.batch
 
     @property
     def expected_batch_size(self) -> float:
         """q N: what the noisy sum is divided by."""
         return self.poisson.expected_batch_size
 
-    def _collate_or_empty(self, examples: list):
+    def _collate_or_empty(self, examples: list) -> _Counted:
         if examples:
-            return self._collate(examples)
-        return empty_like_batch(self._collate([self.dataset[0]]))
+            return _Counted(len(examples), self._collate(examples))
+        return _Counted(0, empty_like_batch(self._collate([self.dataset[0]])))
 
     @classmethod
     def from_data_loader(

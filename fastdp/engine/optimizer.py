@@ -107,6 +107,11 @@ class DPOptimizer(Optimizer):
         self._probe = RowProbe()
         self.parallel = parallel  # a fastdp.engine.distributed.DataParallel under torchrun, else None
         self._tangents_shared_for: int | None = None
+        # make_private's DPDataLoader: a step's forwards may have no more rows than the examples it drew since the
+        # last release (a batch concatenated with its own copy, or used for two steps, would count examples twice)
+        self.data_loader = None
+        self._rows_since_release = 0
+        self._drawn_at_release = 0
         # torch.optim.SGD / Adam / AdamW steps applied inside the release's pass (fastdp.engine.fused); False: the
         # optimizer's own step() after the release
         self.fuse_step = fuse_step
@@ -268,6 +273,7 @@ class DPOptimizer(Optimizer):
                 "physical batch its own step() call: docs/front-door.md, 'One forward per step')"
             )
         for recorded in recorded_forwards:
+            self._rows_since_release += recorded.examples
             sums = self._backward_sums(recorded)
             if self._sums is None:
                 self._sums = sums
@@ -275,7 +281,28 @@ class DPOptimizer(Optimizer):
                 torch._foreach_add_(self._sums, sums)
         self.module.check_buffers()  # after the row probe's forwards too, before anything is released
         skip, self._skip_next = self._skip_next, False
+        if not skip:
+            self._check_rows_drawn()
         return not skip
+
+    def _check_rows_drawn(self) -> None:
+        """At a release: refuse more rows in the forwards since the last release than examples the private data loader
+        yielded since then (once the loader is in use: batches of your own are yours to sample)."""
+        rows, self._rows_since_release = self._rows_since_release, 0
+        loader = self.data_loader
+        if loader is None or loader.examples_drawn == 0:
+            return
+        drawn, self._drawn_at_release = loader.examples_drawn - self._drawn_at_release, loader.examples_drawn
+        if rows > drawn:
+            self._sums = None
+            raise ValueError(
+                f"this step's training forwards had {rows} rows, but the private data loader yielded {drawn} examples "
+                "since the last step: each row gets its own clipping bound, so rows beyond the sampled examples (a "
+                "batch concatenated with an augmented copy of itself, a batch used for a second step, padding rows) "
+                "let one example count more than once, and the accountant's sampling rate would not hold. Give the "
+                "model each sampled example once per step (augment within the example's own row) and draw a new "
+                "batch from the private loader for every step"
+            )
 
     def step(self, closure=None):
         loss = None

@@ -229,6 +229,7 @@ class PrivacyEngine:
         self._num_examples, self._allow_large_delta = n, bool(allow_large_delta)
         d = sum(p.numel() for p in trainable_parameters(module))
         self.accountant.truncation = lambda steps: truncation_delta(noise_multiplier, steps, d, r)
+        dp_optimizer.data_loader = loader  # a step's rows against the examples drawn for it
         self.optimizer = dp_optimizer
         if grad_sample_mode == "ghost":
             return private, self.optimizer, criterion, loader
