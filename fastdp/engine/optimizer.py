@@ -43,7 +43,7 @@ from fastdp.engine.fused import TorchOptimizerStep, fusable
 from fastdp.engine.module import PrivateModule, Recorded
 from fastdp.nn import check_supported
 from fastdp.nn.ghost import output_gradients
-from fastdp.nn.rows import RowProbe, row_functional
+from fastdp.nn.rows import RowProbe, _rows_of, row_functional
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -240,9 +240,12 @@ class DPOptimizer(Optimizer):
             def gradients(structure: tuple) -> list:
                 return output_gradients(lambda: row_functional(batch_rows(structure)), n)
 
+        # one read of the inputs a step (the front door's only host read): a batch with a NaN is probed apart
+        finite = all(bool(torch.isfinite(t).all()) for t in _rows_of(inputs, n) if t.is_floating_point())
         with torch.no_grad():
             self._probe.check(outputs, model, inputs, self.variant.row_layers(model), f"variant {self.variant.name!r}",
-                              before=lambda: self.variant.check_model(model), batch=n, gradients=gradients)  # fmt: skip
+                              before=lambda: self.variant.check_model(model), batch=n, gradients=gradients,
+                              finite=finite)  # fmt: skip
 
     def pre_step(self) -> bool:
         """Add the clipped sums of the forwards since the last step; whether this step releases (not skipped)."""

@@ -740,6 +740,10 @@ def _rule_problem(layer: nn.Module) -> str | None:
                                 "_global_backward_pre_hooks") if getattr(nn.modules.module, name, None)]  # fmt: skip
     if hooks:
         return f"has module hooks ({', '.join(hooks)}), which change what it computes beyond its bound rule"
+    patched = [name for name in _FORWARD_METHODS if name in vars(layer)]
+    if patched:
+        return (f"has {', '.join(patched)} set on the instance (a wrapper or a patch), which need not compute what "
+                "its class's bound rule covers")  # fmt: skip
     cls = type(layer)
     torch_class = next((k for k in (nn.Sequential, *_PARAMETER_FREE_OK) if isinstance(layer, k)), None)
     if torch_class is not None:

@@ -191,14 +191,28 @@ def probe_rows(
         return None
     device = rows[0].device
     finite = all(bool(torch.isfinite(t).all()) for t in rows if t.is_floating_point())
-    picks = _picks(x, batch) if finite else []
-    if not picks:  # every example the same, or a non-finite one (NaN rows would hide a change): random inputs of
-        # the batch's shape (and value range)
+    experiments = []
+    picks = _picks(x, batch)
+    if picks:  # the batch itself, non-finite entries included (a model may mix examples only where one is NaN)
+        experiments.append((x, picks))
+    if not picks or not finite:  # every example the same, or a non-finite one (NaN rows would hide a change): also
+        # random inputs of the batch's shape (and value range)
         gen = torch.Generator(device=device).manual_seed(_PROBE_SEED)
-        x = _map_rows(lambda t: _random_like(t, gen), x, batch)
-        picks = _picks(x, batch)
-        if not picks:
-            return None
+        random = _map_rows(lambda t: _random_like(t, gen), x, batch)
+        picks = _picks(random, batch)
+        if picks:
+            experiments.append((random, picks))
+    if not experiments:
+        return None
+    sizes: set[int] = set()
+    for inputs, picks in experiments:
+        sizes |= _experiments(run, model, inputs, picks, layers, what, batch, gradients, device)
+    return sizes
+
+
+def _experiments(run, model: nn.Module, x, picks: list, layers: list[nn.Module], what: str, batch: int, gradients,
+                 device: torch.device) -> set[int]:  # fmt: skip
+    """:func:`probe_rows`' experiments on ``x``: the run on ``x`` and one for each pick, compared; the sizes seen."""
 
     def replaced(rows: list[int], sources: list[int]):
         def replace(t: torch.Tensor) -> torch.Tensor:
@@ -298,13 +312,16 @@ class RowProbe:
         before=None,
         batch: int | None = None,
         gradients=None,
+        finite: bool | None = None,
     ) -> None:
         """Probe ``model`` on ``x`` (a batch-first tensor, or a structure of them with ``batch`` examples: see
         :func:`probe_rows`) unless a batch of the same signature was probed; ``before()`` runs first when a probe is
-        due (a variant's own checks, whose named refusals say more than the probe's)."""
+        due (a variant's own checks, whose named refusals say more than the probe's). ``finite`` (whether the batch's
+        floating inputs are all finite, where the caller may read it) is part of the signature: a batch with a NaN is
+        probed apart (a model may mix examples only to fill in missing values)."""
         batch = x.shape[0] if batch is None else batch
         modes = tuple(m.training for m in model.modules())
-        key = (id(model), input_signature(x, batch), modes, tuple(id(layer) for layer in layers))
+        key = (id(model), input_signature(x, batch), modes, tuple(id(layer) for layer in layers), finite)
         inner = self._inner.get(key)
         full = (*key, batch if inner is None or batch in inner else None)
         if full in self._done:

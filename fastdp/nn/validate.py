@@ -29,6 +29,7 @@ examples outside any layer, the clipless input bound) stays in the variants' per
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,10 +93,11 @@ class UnsupportedLayerError(ValueError):
 
 
 class BufferWatch:
-    """The model's buffers as they are now, to refuse a private step in which one was written: a buffer written
-    from the batch (running statistics, a quantisation observer's min/max, a cache of the inputs) is saved with the
-    model, unnoised. :meth:`check` raises :class:`UnsupportedLayerError` naming each buffer replaced, added, removed
-    or written in place since the watch began. In-place writes are seen by the tensor's version counter and storage
+    """The model's buffers (and the extra state of modules that define ``get_extra_state``: compared by value) as
+    they are now, to refuse a private step in which one was written: a buffer written from the batch (running
+    statistics, a quantisation observer's min/max, a cache of the inputs) is saved with the model, unnoised.
+    :meth:`check` raises :class:`UnsupportedLayerError` naming each buffer replaced, added, removed or written in
+    place since the watch began. In-place writes are seen by the tensor's version counter and storage
     (no copy, no device read); with ``values=True`` (a model's first private step, once per model: the row probe's
     rhythm) also by value, which catches writes that bypass the counter (``buf.data.copy_``, NumPy views).
 
@@ -106,6 +108,7 @@ class BufferWatch:
         self._model = model
         self._state = {key: (buf, _version_of(buf), buf.detach().clone() if values and buf is not None else None)
                        for key, buf in _watched_buffers(model).items()}  # fmt: skip
+        self._extra = {name: copy.deepcopy(state) for name, state in _extra_states(model).items()}
 
     def changed(self) -> list[str]:
         """The names of the buffers that changed since the watch began."""
@@ -123,16 +126,23 @@ class BufferWatch:
                 names.append(name)
             elif values is not None and not _same_values(buf, values):
                 names.append(name)
+        extra = _extra_states(self._model)
+        names += [
+            name
+            for name in dict.fromkeys([*self._extra, *extra])
+            if name not in extra or name not in self._extra or not _same_state(extra[name], self._extra[name])
+        ]
         return names
 
     def check(self, what: str) -> None:
         changed = self.changed()
         if changed:
             raise UnsupportedLayerError(
-                f"{what}: the model wrote its buffers {', '.join(changed)} during the private step. A buffer "
-                "written from the batch (running statistics, a quantisation observer's min/max, a cache of the inputs) "
-                "is saved with the model without noise, so it releases the examples it read. Keep such modules out of "
-                "the private step (put them in eval() mode, freeze their statistics, or compute them on public data)"
+                f"{what}: the model wrote its buffers or extra state {', '.join(changed)} during the private step. "
+                "A buffer written from the batch (running statistics, a quantisation observer's min/max, a cache of "
+                "the inputs) is saved with the model without noise, so it releases the examples it read. Keep such "
+                "modules out of the private step (put them in eval() mode, freeze their statistics, or compute them "
+                "on public data)"
             )
 
 
@@ -144,6 +154,27 @@ def _watched_buffers(model: nn.Module) -> dict[str, torch.Tensor | None]:
             if name not in exempt:
                 watched[f"{module_name}.{name}" if module_name else name] = buf
     return watched
+
+
+def _extra_states(model: nn.Module) -> dict[str, object]:
+    """The extra state (``get_extra_state``, saved in the state dict) of every module that defines one."""
+    return {f"{name}._extra_state" if name else "_extra_state": module.get_extra_state()
+            for name, module in model.named_modules(remove_duplicate=False)
+            if type(module).get_extra_state is not nn.Module.get_extra_state}  # fmt: skip
+
+
+def _same_state(a, b) -> bool:
+    """Whether two extra states are equal (tensors by value, containers entry by entry, anything else by ==)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_values(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:  # an object without a usable ==: changed, as far as the watch can tell
+        return False
 
 
 def _version_of(buf: torch.Tensor | None) -> tuple | None:
@@ -345,6 +376,15 @@ def check_backprop_supported(model: nn.Module) -> None:
     if bad:
         raise UnsupportedLayerError(
             "backprop clipping supports trainable Linear and Conv2d layers only; freeze or replace: " + ", ".join(bad)
+        )
+    patched = [f"{_display(name)} ({type(m).__name__})" for name, m in model.named_modules()
+               if isinstance(m, _BackpropClip) and "forward" in vars(m)]  # fmt: skip
+    if patched:
+        raise UnsupportedLayerError(
+            "backprop clipping bounds what a layer's own forward computes, but these layers have a forward set on the "
+            "instance (a wrapper or a patch, e.g. layer.forward = ...), which need not clip: "
+            + ", ".join(patched)
+            + ". Remove the patch, or wrap the layer in a module of its own"
         )
     computed = []  # trainable parameters of a layer besides its weight and bias: a weight computed from them
     for name, m in model.named_modules():
