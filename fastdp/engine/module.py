@@ -29,6 +29,7 @@ divisor counts every example's tokens) is not a mean over examples; average each
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class Recorded:
     inputs: tuple  # the forward's (args, kwargs), for the row probe
     output: torch.Tensor | None = None  # "output": the model's output (its graph) ...
     leaf: torch.Tensor | None = None  # ... and the detached leaf the user's loss was computed from
+    public: bool = False  # run under PrivateModule.public(): rows of no private example (a GAN's generated batch)
 
 
 def batch_size_of(args: tuple, kwargs: dict) -> int | None:
@@ -82,6 +84,7 @@ class PrivateModule(nn.Module):
         self._pending: list[Recorded] = []
         self._internal_loss = False
         self._buffer_watch = None  # the step's watch on the model's buffers, from its first training forward
+        self._public = False
 
     def __getattr__(self, name: str):
         try:
@@ -104,10 +107,27 @@ class PrivateModule(nn.Module):
         if self._variant.front_door == "ghost":
             with GhostClipping(examples, self._variant.form_budget) as ctx:
                 out = self._module(*args, **kwargs)
-            self._pending.append(Recorded(ctx.records, examples, inputs))
+            self._pending.append(Recorded(ctx.records, examples, inputs, public=self._public))
             self._watch_internal_loss(out)
             return out
         return self._output_forward(args, kwargs, examples)
+
+    @contextlib.contextmanager
+    def public(self):
+        """Training forwards in this context are of public data (rows of no private example: a GAN's generated
+        batch, a public auxiliary set). Their gradients are clipped per row and released with the step's like any
+        other (at no cost in privacy: they do not depend on a private example), but they do not count as the step's
+        one private forward, nor as rows drawn from the private data loader. Marking private data public voids the
+        guarantee for it.
+
+            with private_discriminator.public():
+                loss_fake = criterion(private_discriminator(fake.detach()), zeros)
+        """
+        previous, self._public = self._public, True
+        try:
+            yield self
+        finally:
+            self._public = previous
 
     def _watch_internal_loss(self, out) -> None:
         """A loss the model computed itself (``outputs.loss``, ``out["loss"]``: a Hugging Face model given
@@ -142,7 +162,7 @@ class PrivateModule(nn.Module):
                 f"return one tensor whose rows are the batch's {examples} examples; it returned {shape}"
             )
         leaf = out.detach().requires_grad_()
-        self._pending.append(Recorded([], examples, (args, kwargs), out, leaf))
+        self._pending.append(Recorded([], examples, (args, kwargs), out, leaf, public=self._public))
         return leaf
 
     def take_recorded(self) -> list[Recorded]:

@@ -264,19 +264,21 @@ class DPOptimizer(Optimizer):
                 "'Per-example gradients and the loss')"
             )
         recorded_forwards = [r for r in self.module.take_recorded() if _backpropagated(r)]
-        if len(recorded_forwards) > 1:
+        private_forwards = [r for r in recorded_forwards if not r.public]
+        if len(private_forwards) > 1:
             raise ValueError(
-                f"{len(recorded_forwards)} training forwards were backpropagated before this optimizer step: fastdp "
+                f"{len(private_forwards)} training forwards were backpropagated before this optimizer step: fastdp "
                 "bounds each forward's per-example gradients separately, so an example that went through the model "
                 "twice (two views or augmentations of one batch, an adversarial attack crafted with the model in "
                 "training mode, two loader batches accumulated) would move the release by twice the bound the noise "
                 "is calibrated to, and one step would be accounted for two batches. Give each step one training "
                 "forward: put the views of an example into one forward (its output row covering them all), craft "
-                "attacks with the model in eval() mode, and split a large batch with BatchMemoryManager (each "
-                "physical batch its own step() call: docs/front-door.md, 'One forward per step')"
+                "attacks with the model in eval() mode, split a large batch with BatchMemoryManager (each "
+                "physical batch its own step() call), and run forwards of public data (a GAN's generated batch) "
+                "under `with model.public():` (docs/front-door.md, 'One forward per step')"
             )
         for recorded in recorded_forwards:
-            self._rows_since_release += recorded.examples
+            self._rows_since_release += 0 if recorded.public else recorded.examples
             sums = self._backward_sums(recorded)
             if self._sums is None:
                 self._sums = sums
