@@ -649,3 +649,30 @@ def test_the_fp32_rounding_of_a_large_batch_sum_stays_within_the_bound():
         return torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
 
     assert (release(x, y) - release(x[1:], y[1:])).norm().item() <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_is_refused_by_name(reentrant):
+    """torch.utils.checkpoint (what gradient_checkpointing_enable() uses) crashed in the backward with torch's own
+    errors (its layers run without gradients, or are recomputed outside the recorded forward): now named in the
+    forward, before anything is released."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(D, 16), nn.Tanh())
+            self.b = nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=reentrant))
+
+    model = Checkpointed()
+    private, optimizer = _private_model(model, "dpsgd")
+    x, y = _batch()
+    weights = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="activation checkpointing"):
+        _loss(private, x, y).backward()
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))

@@ -93,6 +93,15 @@ class GhostClipping:
 
         Never compiled (``torch.compiler.disable``: a graph break per layer under torch.compile): it is Python
         bookkeeping and a hook registration, and tracing it would guard on this step's records."""
+        if not torch.is_grad_enabled() or _checkpointing():
+            raise RuntimeError(
+                f"a DP layer ({type(layer).__name__}) ran without gradients inside a private training forward: "
+                "activation checkpointing (torch.utils.checkpoint, a Hugging Face model's "
+                "gradient_checkpointing_enable()) runs layers without gradients and recomputes them in the backward, "
+                "outside the forward fastdp records, and a layer with trainable parameters under torch.no_grad() "
+                "inside the forward takes no part in the step. Disable the checkpointing (BatchMemoryManager bounds "
+                "the memory instead), and keep no_grad parts of the model frozen or in eval() mode"
+            )
         record = Record(layer, saved, output.shape, output.dtype, form_budget=self.form_budget)
         if not output.requires_grad:
             # First layer: neither input nor (detached) parameters need grad. A non-leaf copy keeps in-place
@@ -110,6 +119,16 @@ class GhostClipping:
 
     def __exit__(self, *exc) -> None:
         _state.context = None
+
+
+def _checkpointing() -> bool:
+    """Whether a non-reentrant torch.utils.checkpoint region is running (its saved-tensor hooks are the innermost):
+    read from torch's internals, so False wherever they are not as in torch 2.x."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return bool(hooks) and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
 
 
 def _tensors(value) -> list[torch.Tensor]:
