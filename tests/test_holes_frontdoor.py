@@ -676,3 +676,24 @@ def test_activation_checkpointing_is_refused_by_name(reentrant):
         _loss(private, x, y).backward()
         optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
+
+
+def test_the_halves_experiments_run_once_per_input_structure():
+    """2 ceil(log2 B) more forwards once per model and input structure; a new shape of the same structure (another
+    sequence length) is probed with the first and the last example only, as before (the cost of variable lengths)."""
+    from fastdp.nn.rows import RowProbe
+
+    model = nn.Linear(4, 3)
+    calls = []
+
+    def run(x):
+        calls.append(x.shape)
+        return model(x).sum(-1).reshape(x.shape[0], -1)
+
+    probe = RowProbe()
+    runs = []
+    for length in (5, 6, 6):
+        before = len(calls)
+        probe.check(run, model, torch.randn(8, length, 4), [model], "test")
+        runs.append(len(calls) - before)
+    assert runs == [1 + 2 + 2 * 3, 1 + 2, 0]  # B = 8: the batch, first and last, 3 bits x 2 halves; then per shape

@@ -9,7 +9,8 @@ the batch dimension after a transpose) passes any shape check.
 The probe establishes it for a batch by experiment: it runs the model's forward on the batch and on the batch with
 some examples' inputs replaced by others' (the first example alone, the last alone, then for every bit of the row
 index the rows with that bit set and those with it clear: any two examples differ in a bit, so whichever row mixes
-into which, one experiment changes it and watches the other; 3 + 2 ceil(log2 B) forwards), and requires that nothing
+into which, one experiment changes it and watches the other: 2 ceil(log2 B) more forwards, once per model and input
+structure, whatever the shapes), and requires that nothing
 else changes: the per-example losses of the other examples, and the other rows of every watched layer's input. Same
 shapes, same kernels, same dropout masks (the generator state is forked and reset for every run), so an unchanged
 row is bitwise unchanged; rows are compared through small float64 fingerprints (a random projection, the squared
@@ -117,7 +118,7 @@ def _map_rows(fn, x, batch: int):
     return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else t, x)
 
 
-def _picks(x, batch: int) -> list[tuple[list[int], list[int]]]:
+def _picks(x, batch: int, halves: bool = True) -> list[tuple[list[int], list[int]]]:
     """[(rows, sources)]: the inputs of the examples ``rows`` are replaced by those of ``sources`` (one each), and
     every other row must stay as it was. First two single experiments, k the first and the last example (a model
     that routes every example's gradient through one row, ``pos[0]`` of a shared lookup expanded to the batch,
@@ -126,7 +127,8 @@ def _picks(x, batch: int) -> list[tuple[list[int], list[int]]]:
     only when that argument changes); then, for every bit of the row index, the rows with that bit set and those
     with it clear, each replaced by rows of the other half: any two examples i != j differ in a bit, so some
     experiment changes i and watches j, whichever row mixes into which (a statistic held by a middle example, a row
-    every example reads); 2 ceil(log2 B) experiments. Empty if all examples are equal."""
+    every example reads); 2 ceil(log2 B) experiments, with ``halves`` (once per model and input structure: see
+    :class:`RowProbe`). Empty if all examples are equal."""
     flats = [t.reshape(batch, -1) for t in _rows_of(x, batch)]
     picks = []
     for k in (0, batch - 1):
@@ -134,8 +136,8 @@ def _picks(x, batch: int) -> list[tuple[list[int], list[int]]]:
         best = max(differing)
         if best:
             picks.append(([k], [differing.index(best)]))
-    if not picks:
-        return []
+    if not picks or not halves:
+        return picks
     for bit in range((batch - 1).bit_length()):
         high = [i for i in range(batch) if i >> bit & 1]
         low = [i for i in range(batch) if not i >> bit & 1]
@@ -164,6 +166,13 @@ def input_signature(x, batch: int) -> tuple:
                              for t in leaves))  # fmt: skip
 
 
+def _structure(x, batch: int) -> tuple:
+    """:func:`input_signature` without the shapes: the layout, and each tensor's dtype, device and rank."""
+    leaves, spec = tree_flatten(x)
+    return (str(spec), tuple((t.dim(), t.dtype, t.device.type, bool(t.dim()) and t.shape[0] == batch)
+                             if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves))  # fmt: skip
+
+
 @contextlib.contextmanager
 def _same_randomness(device: torch.device):
     """Fork the generators (the step's own randomness is untouched) and seed them identically for each run."""
@@ -173,7 +182,14 @@ def _same_randomness(device: torch.device):
 
 
 def probe_rows(
-    run, model: nn.Module, x, layers: list[nn.Module], what: str, batch: int | None = None, gradients=None
+    run,
+    model: nn.Module,
+    x,
+    layers: list[nn.Module],
+    what: str,
+    batch: int | None = None,
+    gradients=None,
+    halves: bool = True,
 ) -> set[int] | None:
     """Run ``run(x)`` (per-example losses or outputs, [B, ...]) on ``x`` and on ``x`` with one example's input
     replaced, watching the inputs of ``layers``; raise :class:`UnsupportedLayerError` if another example's loss or
@@ -192,14 +208,14 @@ def probe_rows(
     device = rows[0].device
     finite = all(bool(torch.isfinite(t).all()) for t in rows if t.is_floating_point())
     experiments = []
-    picks = _picks(x, batch)
+    picks = _picks(x, batch, halves)
     if picks:  # the batch itself, non-finite entries included (a model may mix examples only where one is NaN)
         experiments.append((x, picks))
     if not picks or not finite:  # every example the same, or a non-finite one (NaN rows would hide a change): also
         # random inputs of the batch's shape (and value range)
         gen = torch.Generator(device=device).manual_seed(_PROBE_SEED)
         random = _map_rows(lambda t: _random_like(t, gen), x, batch)
-        picks = _picks(random, batch)
+        picks = _picks(random, batch, halves)
         if picks:
             experiments.append((random, picks))
     if not experiments:
@@ -301,6 +317,9 @@ class RowProbe:
     def __init__(self) -> None:
         self._inner: dict[tuple, set[int]] = {}  # signature without batch size -> sizes seen inside the model
         self._done: set[tuple] = set()
+        # (model, input structure and dtypes, modes, layers): probed with the halves experiments (once: mixing through
+        # a row is the model's, whatever the shapes; the per-shape probes keep the first and last example's)
+        self._halves: set[tuple] = set()
 
     def check(
         self,
@@ -328,8 +347,11 @@ class RowProbe:
             return
         if before is not None:
             before()
-        sizes = probe_rows(run, model, x, layers, what, batch, gradients)
+        structure = (key[0], _structure(x, batch), *key[2:])
+        halves = structure not in self._halves
+        sizes = probe_rows(run, model, x, layers, what, batch, gradients, halves)
         if sizes is None:
             return  # inconclusive: probe again with the next batch
+        self._halves.add(structure)
         self._inner[key] = self._inner.get(key, set()) | sizes
         self._done.add((*key, batch if batch in self._inner[key] else None))
