@@ -697,3 +697,73 @@ def test_the_halves_experiments_run_once_per_input_structure():
         probe.check(run, model, torch.randn(8, length, 4), [model], "test")
         runs.append(len(calls) - before)
     assert runs == [1 + 2 + 2 * 3, 1 + 2, 0]  # B = 8: the batch, first and last, 3 bits x 2 halves; then per shape
+
+
+# ------------------------------------------------------------------------------------------------------ round 3
+
+
+def test_a_logical_batch_left_unfinished_is_not_released_with_the_next():
+    """A loop that leaves BatchMemoryManager after a skipped physical batch (a max-steps limit counted in physical
+    batches) left that batch's sums pending, and the next logical batch released them too: 2.45 C leave-one-out
+    with q = 1 and one step accounted (third review). They are dropped (never released) with a warning."""
+    from fastdp.engine import BatchMemoryManager
+
+    def release(x, y):
+        model = _model("dpsgd")
+        data = TensorDataset(x, y)
+        private, optimizer, loader = PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(data, batch_size=len(data)), noise_multiplier=0.0, reproducible_seed=1,
+            loss_reduction="sum", max_grad_norm=1.0,
+        )  # fmt: skip
+        with pytest.warns(RuntimeWarning, match="left before its last physical batch"):
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as batches:
+                for xb, yb in batches:
+                    optimizer.zero_grad()
+                    _loss(private, xb, yb).backward()
+                    optimizer.step()
+                    break  # the first physical batch's step was skipped: its sums pend
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as batches:
+            for xb, yb in batches:
+                optimizer.zero_grad()
+                _loss(private, xb, yb).backward()
+                optimizer.step()
+                if optimizer.steps_taken == 1:
+                    break
+        return torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, D, generator=gen) * 3, torch.randint(0, 2, (8,), generator=gen)
+    x[0] = 40.0
+    change = (release(x, y) - release(x[1:], y[1:])).norm().item()
+    assert change <= 1.0 + 1e-6
+
+
+def test_model_zero_grad_drops_what_the_forwards_recorded():
+    """The DCGAN tutorial's netD.zero_grad(): a generator step's forward through the private discriminator (not
+    public, backpropagated into the generator) is dropped like optimizer.zero_grad() drops it; it was kept and made
+    the next discriminator step "2 training forwards" (third review)."""
+    model, private, optimizer, _, _ = _private("dpsgd")
+    x, y = _batch()
+    _loss(private, x, y).backward()  # a generator's step through the discriminator
+    private.zero_grad()
+    _loss(private, x, y).backward()
+    optimizer.step()
+
+
+def test_zero_grad_between_forward_and_backward_is_refused():
+    """Forward, zero_grad(), backward, step(): the forward's records were dropped and the step released noise only
+    while spending privacy (third review); refused, and with the private loader a step with no forward's sums after
+    a drawn batch is refused too."""
+    model, private, optimizer, engine, loader = _private("dpsgd")
+    x, y = _batch()
+    out = private(x)
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(out, y, reduction="sum").backward()
+    with pytest.raises(ValueError, match=r"zero_grad\(\) ran between a training forward and its loss.backward"):
+        optimizer.step()
+    xb, yb = next(iter(loader))
+    optimizer.zero_grad()
+    with pytest.raises(ValueError, match="no training forward's sums"):
+        optimizer.step()
+    assert engine.accountant.steps == 0

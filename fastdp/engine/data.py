@@ -90,6 +90,7 @@ class DPDataLoader(DataLoader):
         self.sample_rate = self.poisson.sample_rate
         self._collate = collate_fn if collate_fn is not None else default_collate
         self.examples_drawn = 0  # examples in the batches yielded so far (this process's shard, data-parallel)
+        self.batches_drawn = 0  # batches (logical: Poisson samples) yielded so far
         super().__init__(dataset, batch_sampler=_BatchSampler(self.poisson, parallel),
                          collate_fn=self._collate_or_empty, **loader_kwargs)  # fmt: skip
 
@@ -98,6 +99,7 @@ class DPDataLoader(DataLoader):
         a step's forwards had no more rows than the examples drawn for it)."""
         for counted in super().__iter__():
             self.examples_drawn += counted.examples
+            self.batches_drawn += 1
             yield counted.batch
 
     @property
@@ -191,6 +193,9 @@ class BatchMemoryManager:
 
     def __exit__(self, *exc) -> None:
         self.optimizer.signal_skip_step(False)
+        # a logical batch left before its last physical batch (a break, an exception) is not released: its clipped
+        # sums would otherwise join the next logical batch's release (an example in both samples counted twice)
+        self.optimizer.drop_pending_sums()
 
     def __len__(self) -> int:
         return len(self.data_loader)

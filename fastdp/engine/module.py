@@ -51,6 +51,14 @@ class Recorded:
     leaf: torch.Tensor | None = None  # ... and the detached leaf the user's loss was computed from
     public: bool = False  # run under PrivateModule.public(): rows of no private example (a GAN's generated batch)
 
+    @property
+    def backpropagated(self) -> bool:
+        """Whether the user's backward reached this forward (the output leaf's gradient, or a DP layer's G; a forward
+        without DP layer calls counts, its step then names the parameters no DP layer covered)."""
+        if self.output is not None:
+            return self.leaf.grad is not None
+        return not self.records or any(r.grad is not None or r.formed is not None for r in self.records)
+
 
 def batch_size_of(args: tuple, kwargs: dict) -> int | None:
     """The leading dimension of the first tensor among the forward's arguments (positional first, then keyword,
@@ -82,6 +90,7 @@ class PrivateModule(nn.Module):
         self._module = module
         self._variant = variant
         self._pending: list[Recorded] = []
+        self._dropped: list[Recorded] = []  # dropped by the last zero_grad(), until the next step
         self._internal_loss = False
         self._buffer_watch = None  # the step's watch on the model's buffers, from its first training forward
         self._public = False
@@ -177,8 +186,23 @@ class PrivateModule(nn.Module):
         if watch is not None:
             self._variant.check_buffers(self._module, watch)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and drop what the forwards since the last step recorded, as the optimizer's
+        ``zero_grad()`` does (a GAN's generator step through this model, then ``model.zero_grad()``)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.forget_recorded()
+
     def forget_recorded(self) -> None:
         """Drop what the forwards since the last step recorded (``optimizer.zero_grad()``). The buffer watch stays:
-        a buffer written by a forward before ``zero_grad()`` is as released as one written after it."""
+        a buffer written by a forward before ``zero_grad()`` is as released as one written after it. The dropped
+        forwards are kept until the next step only to tell whether a backward reached one of them after all
+        (``zero_grad()`` between the forward and ``loss.backward()``: :meth:`dropped_then_backpropagated`)."""
+        self._dropped = [r for r in self._pending if not r.backpropagated]
         self._pending = []
         self._internal_loss = False
+
+    def dropped_then_backpropagated(self) -> bool:
+        """Whether a forward that ``zero_grad()`` dropped before its backward was backpropagated afterwards (and
+        forget them)."""
+        dropped, self._dropped = self._dropped, []
+        return any(r.backpropagated for r in dropped)

@@ -32,6 +32,7 @@ seed every rank draws the same noise (``fastdp.engine.distributed``).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch.optim import Optimizer
@@ -52,14 +53,6 @@ def _delegated(name: str) -> property:
     """An attribute read from and written to the original optimizer."""
     return property(lambda self: getattr(self.original_optimizer, name),
                     lambda self, value: setattr(self.original_optimizer, name, value))  # fmt: skip
-
-
-def _backpropagated(recorded: Recorded) -> bool:
-    """Whether the user's backward reached a training forward (the output leaf's gradient, or a DP layer's G; a
-    forward without DP layer calls counts, its step then names the parameters no DP layer covered)."""
-    if recorded.output is not None:
-        return recorded.leaf.grad is not None
-    return not recorded.records or any(r.grad is not None or r.formed is not None for r in recorded.records)
 
 
 class DPOptimizer(Optimizer):
@@ -112,6 +105,7 @@ class DPOptimizer(Optimizer):
         self.data_loader = None
         self._rows_since_release = 0
         self._drawn_at_release = 0
+        self._pending_batch: int | None = None  # the loader's batch count when the pending sums began
         # torch.optim.SGD / Adam / AdamW steps applied inside the release's pass (fastdp.engine.fused); False: the
         # optimizer's own step() after the release
         self.fuse_step = fuse_step
@@ -152,6 +146,16 @@ class DPOptimizer(Optimizer):
     def has_pending_sums(self) -> bool:
         """Whether clipped sums of skipped (virtual) steps wait for their logical step's release."""
         return self._sums is not None
+
+    def drop_pending_sums(self) -> bool:
+        """Forget the clipped sums of skipped (virtual) steps whose logical batch was left unfinished (never released:
+        no privacy spent); whether there were any. ``BatchMemoryManager`` calls it when its loop ends."""
+        pending = self._sums is not None
+        if pending:
+            warnings.warn("a logical batch was left before its last physical batch: its clipped sums were dropped, "
+                          "not released", RuntimeWarning, stacklevel=2)  # fmt: skip
+        self._sums, self._rows_since_release, self._pending_batch = None, 0, None
+        return pending
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """The next ``step()`` only accumulates the clipped sums (a physical batch of a larger logical one): no noise,
@@ -263,7 +267,14 @@ class DPOptimizer(Optimizer):
                 "pass labels to the model; compute the loss from its logits, per example (docs/front-door.md, "
                 "'Per-example gradients and the loss')"
             )
-        recorded_forwards = [r for r in self.module.take_recorded() if _backpropagated(r)]
+        if self.module.dropped_then_backpropagated():
+            self.module.forget_recorded()
+            raise ValueError(
+                "zero_grad() ran between a training forward and its loss.backward(): it dropped what that forward "
+                "recorded, so this step would release noise only and spend privacy for nothing. Call zero_grad() "
+                "before the forward"
+            )
+        recorded_forwards = [r for r in self.module.take_recorded() if r.backpropagated]
         private_forwards = [r for r in recorded_forwards if not r.public]
         if len(private_forwards) > 1:
             raise ValueError(
@@ -277,11 +288,15 @@ class DPOptimizer(Optimizer):
                 "physical batch its own step() call), and run forwards of public data (a GAN's generated batch) "
                 "under `with model.public():` (docs/front-door.md, 'One forward per step')"
             )
+        loader = self.data_loader
+        if self._sums is not None and loader is not None and loader.batches_drawn != self._pending_batch:
+            self.drop_pending_sums()  # pending sums of a logical batch abandoned for a newer sample of the loader
         for recorded in recorded_forwards:
             self._rows_since_release += 0 if recorded.public else recorded.examples
             sums = self._backward_sums(recorded)
             if self._sums is None:
                 self._sums = sums
+                self._pending_batch = None if loader is None else loader.batches_drawn
             else:
                 torch._foreach_add_(self._sums, sums)
         self.module.check_buffers()  # after the row probe's forwards too, before anything is released
@@ -298,6 +313,13 @@ class DPOptimizer(Optimizer):
         if loader is None or loader.examples_drawn == 0:
             return
         drawn, self._drawn_at_release = loader.examples_drawn - self._drawn_at_release, loader.examples_drawn
+        if rows == 0 and drawn > 0 and self._sums is None:
+            raise ValueError(
+                f"this step has no training forward's sums, but the private data loader yielded {drawn} examples since "
+                "the last step: the step would release noise only and spend privacy for nothing. Call "
+                "optimizer.zero_grad() (or model.zero_grad()) before the forward, not between the forward and "
+                "loss.backward(): it drops what the forwards since the last step recorded"
+            )
         if rows > drawn:
             self._sums = None
             raise ValueError(
