@@ -140,6 +140,15 @@ def select(family: str, device_type: str) -> str:
     return backend
 
 
+def cpu_kernel(name: str, family: str, *tensors: torch.Tensor):
+    """``fastdp._C``'s CPU kernel ``name`` where it runs these tensors (eager CPU tensors, ``family`` on the
+    extension), else None."""
+    kernel = getattr(_ext._C, name, None)
+    if kernel is None or any(t.device.type != "cpu" for t in tensors) or not eager(tensors):
+        return None
+    return kernel if select(family, "cpu") == "cuda" else None
+
+
 def backend_info() -> dict:
     """What each op family runs on for each device kind, and why."""
     try:

@@ -46,15 +46,26 @@ def _model(variant: str) -> nn.Module:
     return nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 2))
 
 
-def _private(variant: str):
-    model = _model(variant)
-    data = TensorDataset(torch.randn(100, D), torch.randint(0, 2, (100,)))
+def _make_private(model: nn.Module, variant: str = "dpsgd", data=None, exact: bool = True, **loader_kwargs):
+    """(private model, optimizer, engine, loader) from make_private. ``exact``: no noise, lr 0, a reproducible key and
+    summed losses (leave-one-out measurements); else noise 1, lr 0.1 and OS-entropy keys (a release configuration).
+    ``data``: 100 random examples by default, in batches of 10 (``batch_size`` and other loader options overridable)."""
+    data = data if data is not None else TensorDataset(torch.randn(100, D), torch.randint(0, 2, (100,)))
+    settings = (
+        dict(noise_multiplier=0.0, reproducible_seed=1, loss_reduction="sum") if exact else dict(noise_multiplier=1.0)
+    )
     engine = PrivacyEngine(accountant="pld" if variant == "jl" else "rdp")
     private, optimizer, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(data, batch_size=10), noise_multiplier=0.0, reproducible_seed=1,
-        loss_reduction="sum", variant=variant, **VARIANTS[variant],
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0 if exact else 0.1),
+        data_loader=DataLoader(data, **{"batch_size": 10, **loader_kwargs}), variant=variant, **settings,
+        **VARIANTS[variant],
     )  # fmt: skip
+    return private, optimizer, engine, loader
+
+
+def _private(variant: str):
+    model = _model(variant)
+    private, optimizer, engine, loader = _make_private(model, variant)
     return model, private, optimizer, engine, loader
 
 
@@ -183,14 +194,7 @@ def test_more_rows_than_the_loader_drew_are_refused():
 
 
 def test_the_row_count_survives_worker_processes_and_pinned_memory():
-    model = _model("dpsgd")
-    data = TensorDataset(torch.randn(100, D), torch.randint(0, 2, (100,)))
-    engine = PrivacyEngine(accountant="rdp")
-    private, optimizer, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(data, batch_size=10, num_workers=2, pin_memory=True), noise_multiplier=1.0,
-        max_grad_norm=1.0,
-    )  # fmt: skip
+    private, optimizer, engine, loader = _make_private(_model("dpsgd"), exact=False, num_workers=2, pin_memory=True)
     for i, (x, y) in enumerate(loader):
         optimizer.zero_grad()
         _loss(private, x, y).backward()
@@ -298,12 +302,7 @@ def _with_first(first: nn.Module, variant: str = "dpsgd") -> nn.Module:
 
 
 def _private_model(model: nn.Module, variant: str):
-    data = TensorDataset(torch.randn(100, D), torch.randint(0, 2, (100,)))
-    engine = PrivacyEngine(accountant="rdp")
-    return engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data_loader=DataLoader(data, batch_size=10), noise_multiplier=1.0, variant=variant, **VARIANTS[variant],
-    )[:2]  # fmt: skip
+    return _make_private(model, variant, exact=False)[:2]
 
 
 @pytest.mark.parametrize("variant", ["dpsgd", "backprop"])
@@ -636,12 +635,7 @@ def test_the_fp32_rounding_of_a_large_batch_sum_stays_within_the_bound():
 
     def release(xs, ys):
         model = copy.deepcopy(base)
-        data = TensorDataset(xs, ys)
-        private, optimizer, loader = PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-            data_loader=DataLoader(data, batch_size=len(xs)), noise_multiplier=0.0, reproducible_seed=1,
-            loss_reduction="sum", max_grad_norm=1.0,
-        )  # fmt: skip
+        private, optimizer, _, loader = _make_private(model, data=TensorDataset(xs, ys), batch_size=len(xs))
         xb, yb = next(iter(loader))  # q = 1: every example
         optimizer.zero_grad()
         nn.functional.cross_entropy(private(xb), yb, reduction="sum").backward()
@@ -710,12 +704,7 @@ def test_a_logical_batch_left_unfinished_is_not_released_with_the_next():
 
     def release(x, y):
         model = _model("dpsgd")
-        data = TensorDataset(x, y)
-        private, optimizer, loader = PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-            data_loader=DataLoader(data, batch_size=len(data)), noise_multiplier=0.0, reproducible_seed=1,
-            loss_reduction="sum", max_grad_norm=1.0,
-        )  # fmt: skip
+        private, optimizer, _, loader = _make_private(model, data=TensorDataset(x, y), batch_size=len(x))
         with pytest.warns(RuntimeWarning, match="left before its last physical batch"):
             with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as batches:
                 for xb, yb in batches:

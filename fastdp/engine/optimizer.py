@@ -244,7 +244,7 @@ class DPOptimizer(Optimizer):
             def gradients(structure: tuple) -> list:
                 return output_gradients(lambda: row_functional(batch_rows(structure)), n)
 
-        # one read of the inputs a step (the front door's only host read): a batch with a NaN is probed apart
+        # a host read of the inputs each step (a synchronisation on CUDA): a batch with a NaN is probed apart
         finite = all(bool(torch.isfinite(t).all()) for t in _rows_of(inputs, n) if t.is_floating_point())
         with torch.no_grad():
             self._probe.check(outputs, model, inputs, self.variant.row_layers(model), f"variant {self.variant.name!r}",

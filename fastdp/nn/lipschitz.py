@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.nn.clip import clip_gradient, clip_rows
+from fastdp.nn.layers import FORWARD_METHODS
 from fastdp.ops import (
     bjorck_orthonormalize,
     certified_bjorck_step,
@@ -723,7 +724,6 @@ _RULES = (
 )
 
 
-_FORWARD_METHODS = ("forward", "__call__", "_call_impl")  # what decides a layer's output (fastdp.nn.layers')
 _RULE_METHODS = ("propagate", "backpropagate")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -740,7 +740,7 @@ def _rule_problem(layer: nn.Module) -> str | None:
                                 "_global_backward_pre_hooks") if getattr(nn.modules.module, name, None)]  # fmt: skip
     if hooks:
         return f"has module hooks ({', '.join(hooks)}), which change what it computes beyond its bound rule"
-    patched = [name for name in _FORWARD_METHODS if name in vars(layer)]
+    patched = [name for name in FORWARD_METHODS if name in vars(layer)]
     if patched:
         return (f"has {', '.join(patched)} set on the instance (a wrapper or a patch), which need not compute what "
                 "its class's bound rule covers")  # fmt: skip
@@ -748,7 +748,7 @@ def _rule_problem(layer: nn.Module) -> str | None:
     torch_class = next((k for k in (nn.Sequential, *_PARAMETER_FREE_OK) if isinstance(layer, k)), None)
     if torch_class is not None:
         chain = cls.__mro__[: cls.__mro__.index(torch_class)]
-        overridden = [name for klass in chain for name in _FORWARD_METHODS if name in vars(klass)]
+        overridden = [name for klass in chain for name in FORWARD_METHODS if name in vars(klass)]
         if overridden:
             return (f"overrides {', '.join(dict.fromkeys(overridden))} of {torch_class.__name__}, whose bound rule "
                     "then need not hold for its output")  # fmt: skip
@@ -756,7 +756,7 @@ def _rule_problem(layer: nn.Module) -> str | None:
     if not isinstance(layer, LipschitzModule):
         return _NO_RULE
     own = [k for k in cls.__mro__ if issubclass(k, LipschitzModule) and not k.__module__.startswith("fastdp.")]
-    forwards = [name for k in own for name in _FORWARD_METHODS if name in vars(k)]
+    forwards = [name for k in own for name in FORWARD_METHODS if name in vars(k)]
     needed = _RULE_METHODS + (("sensitivities",) if any(True for _ in layer.parameters(recurse=False)) else ())
     missing = [name for name in needed if not any(name in vars(k) for k in own)]
     base = next((k for k in cls.__mro__ if k.__module__.startswith("fastdp.")), LipschitzModule)

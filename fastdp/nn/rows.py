@@ -158,19 +158,20 @@ def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.where(t < 0, t, drawn)
 
 
-def input_signature(x, batch: int) -> tuple:
-    """The shapes (without the batch size), dtypes and devices of an input structure's tensors, and its layout."""
+def input_signature(x, batch: int, shapes: bool = True) -> tuple:
+    """The shapes (without the batch size), dtypes and devices of an input structure's tensors, and its layout;
+    without ``shapes``, each tensor's rank and whether it is batch-first instead of its shape (the structure)."""
     leaves, spec = tree_flatten(x)
-    return (str(spec), tuple((tuple(t.shape[1:]) if t.dim() and t.shape[0] == batch else ("shared", tuple(t.shape)),
-                              t.dtype, t.device.type) if isinstance(t, torch.Tensor) else type(t).__name__
-                             for t in leaves))  # fmt: skip
 
+    def leaf(t) -> tuple | str:
+        if not isinstance(t, torch.Tensor):
+            return type(t).__name__
+        own = bool(t.dim()) and t.shape[0] == batch
+        if not shapes:
+            return t.dim(), own, t.dtype, t.device.type
+        return tuple(t.shape[1:]) if own else ("shared", tuple(t.shape)), t.dtype, t.device.type
 
-def _structure(x, batch: int) -> tuple:
-    """:func:`input_signature` without the shapes: the layout, and each tensor's dtype, device and rank."""
-    leaves, spec = tree_flatten(x)
-    return (str(spec), tuple((t.dim(), t.dtype, t.device.type, bool(t.dim()) and t.shape[0] == batch)
-                             if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves))  # fmt: skip
+    return str(spec), tuple(leaf(t) for t in leaves)
 
 
 @contextlib.contextmanager
@@ -347,7 +348,7 @@ class RowProbe:
             return
         if before is not None:
             before()
-        structure = (key[0], _structure(x, batch), *key[2:])
+        structure = (key[0], input_signature(x, batch, shapes=False), *key[2:])
         halves = structure not in self._halves
         sizes = probe_rows(run, model, x, layers, what, batch, gradients, halves)
         if sizes is None:

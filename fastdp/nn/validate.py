@@ -388,8 +388,12 @@ def check_backprop_supported(model: nn.Module) -> None:
         )
     computed = []  # trainable parameters of a layer besides its weight and bias: a weight computed from them
     for name, m in model.named_modules():
-        extra = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad and n not in ("weight", "bias")]
-        if isinstance(m, _BackpropClip) and extra:
+        if not isinstance(m, _BackpropClip):
+            continue
+        extra = [
+            n for n, p in m._parameters.items() if p is not None and p.requires_grad and n not in ("weight", "bias")
+        ]
+        if extra:
             computed.append(f"{_display(name)} ({type(m).__name__}: {', '.join(extra)})")
     if computed:
         raise UnsupportedLayerError(

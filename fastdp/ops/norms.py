@@ -198,24 +198,15 @@ def certified_ghost_norm_sq(a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
 CERTIFIED_PACK_BYTES = 64 * 2**20
 
 
-def _extension_kernel(name: str, *tensors: torch.Tensor):
-    """``fastdp._C``'s CPU kernel ``name`` where it runs these tensors (eager CPU tensors, the "norms" family on the
-    extension), else None."""
-    kernel = getattr(_ext._C, name, None)
-    if kernel is None or tensors[0].device.type != "cpu" or not _backend.eager(tensors):
-        return None
-    return kernel if _backend.select("norms", "cpu") == "cuda" else None
-
-
 def _panels_fit(rows: int, columns: int) -> bool:
     """Whether one example's float64 panels (``rows`` rounded up to 16) fit :data:`CERTIFIED_PACK_BYTES`."""
     return -(-rows // 16) * 16 * columns * 8 <= CERTIFIED_PACK_BYTES
 
 
 def _certified_kernel(a: torch.Tensor, g: torch.Tensor):
-    """``fastdp._C.certified_ghost_norm_sq`` where it runs these inputs (:func:`_extension_kernel`, an example's
-    panels within :data:`CERTIFIED_PACK_BYTES`), else None."""
-    kernel = _extension_kernel("certified_ghost_norm_sq", a, g)
+    """``fastdp._C.certified_ghost_norm_sq`` where it runs these inputs (:func:`fastdp._backend.cpu_kernel`, an
+    example's panels within :data:`CERTIFIED_PACK_BYTES`), else None."""
+    kernel = _backend.cpu_kernel("certified_ghost_norm_sq", "norms", a, g)
     return kernel if kernel is not None and _panels_fit(a.shape[1], a.shape[2] + g.shape[2]) else None
 
 
@@ -234,7 +225,7 @@ def certified_conv_ghost_norm_sq(
     come from ``fastdp._C``'s tiled float64 kernel (no float64 copies, upper triangles mirrored); detached."""
     with torch.no_grad():
         x, g = x.detach(), g.detach()
-        gram = _extension_kernel("certified_gram", x, g)
+        gram = _backend.cpu_kernel("certified_gram", "norms", x, g)
         fit = _panels_fit(x.shape[2] * x.shape[3], x.shape[1]) and _panels_fit(g.shape[2] * g.shape[3], g.shape[1])
         return ref.certified_conv_ghost_norm_sq(x, g, kernel_size, stride, padding, dilation, gram if fit else None)
 
@@ -257,7 +248,7 @@ def certified_token_match_norm_sq(idx: torch.Tensor, g: torch.Tensor) -> tuple[t
     on CPU its Gram from ``fastdp._C.certified_gram``); detached."""
     with torch.no_grad():
         g = g.detach()
-        gram = _extension_kernel("certified_gram", g)
+        gram = _backend.cpu_kernel("certified_gram", "norms", g)
         fit = _panels_fit(g.shape[1], g.shape[2])
         return ref.certified_token_match_norm_sq(idx.detach(), g, gram if fit else None)
 

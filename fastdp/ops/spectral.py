@@ -307,12 +307,8 @@ def frobenius_distance_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"fastdp frobenius_distance_up: shapes differ, {tuple(a.shape)} and {tuple(b.shape)}")
     with torch.no_grad():
         a, b = a.detach(), b.detach()
-        sums = None
-        kernel = getattr(_ext._C, "frobenius_distance_sq", None)
-        if (kernel is not None and a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
-                and _backend.eager((a, b)) and _backend.select("spectral", "cpu") == "cuda"):  # fmt: skip
-            sums = kernel(a, b)
-        return ref.frobenius_distance_up(a, b, sums)
+        kernel = _backend.cpu_kernel("frobenius_distance_sq", "spectral", a, b) if a.dtype == b.dtype else None
+        return ref.frobenius_distance_up(a, b, None if kernel is None else kernel(a, b))
 
 
 def _pair(op: str, name: str, value) -> tuple[int, int]:
