@@ -158,10 +158,12 @@ def _model(seed=0):
 
 
 def _train(make_optimizer, fuse: bool, steps=4, scheduler=False):
-    model = _model()
+    """float64 parameters: the release's sums are float64 (``fastdp.ops.summation``) and the fused kernels take
+    parameters of the sums' dtype (float32 parameters get the release, then torch's step)."""
+    model = _model().double()
     opt = make_optimizer(model)
     gen = torch.Generator().manual_seed(3)
-    x, y = torch.randn(64, 6, generator=gen), torch.randint(0, 3, (64,), generator=gen)
+    x, y = torch.randn(64, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (64,), generator=gen)
     loader = DataLoader(TensorDataset(x, y), batch_size=16)
     engine = PrivacyEngine(accountant="rdp")
     model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.7,

@@ -231,7 +231,7 @@ def test_the_micro_batches_of_a_default_jl_step_share_the_steps_tangents():
     variant.gradient(model, pieces, 0)
     torch.testing.assert_close(torch.cat(weights)[:40], whole, rtol=0, atol=0)
     for p, s in zip(trainable_parameters(model), sums, strict=True):
-        torch.testing.assert_close(p.grad, s / (Q * N), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p.grad, (s / (Q * N)).to(p.dtype), rtol=1e-5, atol=1e-7)
     variant.clipped_sum(model, batch, 1)
     assert not torch.equal(weights[-1], whole)  # step 1: fresh tangents
 

@@ -91,7 +91,8 @@ def test_projections_equal_per_example_gradient_dot_tangent(kind, chunk):
     expected = _flat_per_example(model, x, y).double() @ v.double().t()
     torch.testing.assert_close(p, expected, rtol=1e-5, atol=1e-6)
     m = norm_estimates(p)
-    assert torch.all(err < 1e-9 * (1 + m)) and torch.all(allowance > 0) and torch.all(allowance < 1e-4 * (1 + m))
+    # allowance: mass / MASS_RATIO, which binds the weight only where it exceeds M (positions cancelling)
+    assert torch.all(err < 1e-9 * (1 + m)) and torch.all(allowance > 0) and torch.all(allowance < 1e-2 * (1 + m))
 
 
 def test_tangents_are_fresh_per_step_shared_by_chunks_and_independent_of_the_noise_key():
@@ -133,7 +134,8 @@ def test_reweighted_sum_equals_weighted_sum_of_per_example_gradients(kind):
     sums = _clipped_sum(run, w, caches)
     per = per_example_gradients(model, loss_fn, x, y)
     for s, g in zip(sums, per, strict=True):
-        torch.testing.assert_close(s, torch.einsum("b,b...->...", w.float(), g), rtol=1e-5, atol=1e-6)
+        assert s.dtype == torch.float64
+        torch.testing.assert_close(s, torch.einsum("b,b...->...", w, g.double()), rtol=1e-5, atol=1e-6)
 
 
 def test_with_exact_norms_the_update_is_dpsgds():

@@ -79,7 +79,7 @@ def _variant(precision: str, clip: float, mode: str = "ghost") -> DPSGD:
 def _sums(variant: DPSGD, model: nn.Module, x: torch.Tensor, y: torch.Tensor, only: int | None) -> list[torch.Tensor]:
     mask = torch.ones(B, dtype=torch.bool) if only is None else torch.arange(B) == only
     sums, loss = variant.clipped_sum(model, Batch(x, y, mask), step=0)
-    assert all(s.dtype == torch.float32 for s in sums), [s.dtype for s in sums]
+    assert all(s.dtype == torch.float64 for s in sums), [s.dtype for s in sums]  # fastdp.ops.summation
     assert torch.isfinite(loss), loss
     return sums
 

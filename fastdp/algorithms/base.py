@@ -35,6 +35,7 @@ from fastdp.nn.layers import own_trainable
 from fastdp.nn.rows import RowProbe, row_functional
 from fastdp.nn.validate import BufferWatch, check_parameter_dtypes
 from fastdp.ops import OptimizerUpdate, add_noise_, release_
+from fastdp.ops.summation import CompensatedSum
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 
 # Training precisions: the autocast dtype of the model's forward (and thereby its backward); None is plain fp32.
@@ -331,10 +332,14 @@ class Variant(abc.ABC):
         self.prepare(model)
         watch = self.watch_buffers(model)
         sums, loss = self._clipped_sum_step(model, batches[0], step)
-        for micro in batches[1:]:
-            more, more_loss = self._clipped_sum_step(model, micro, step)
-            torch._foreach_add_(sums, more)
-            loss = loss + more_loss
+        if len(batches) > 1:  # micro-batches' sums added by TwoSum (fastdp.ops.summation): bounded rounding
+            totals = [CompensatedSum().add_(s) for s in sums]
+            for micro in batches[1:]:
+                more, more_loss = self._clipped_sum_step(model, micro, step)
+                for total, part in zip(totals, more, strict=True):
+                    total.add_(part)
+                loss = loss + more_loss
+            sums = [total.value() for total in totals]
         self.check_buffers(model, watch)
         if all_reduce_sum is not None:
             loss = self.reduce(sums, loss, all_reduce_sum)
@@ -363,7 +368,7 @@ class Variant(abc.ABC):
         dtype = next((t.dtype for t in sums if t.is_floating_point()), torch.float32)  # the same on every process
         total = loss.detach().to(dtype).reshape(1).clone()
         all_reduce_sum([*sums, total])
-        return total.reshape(())
+        return total.reshape(()).to(loss.dtype)
 
     def after_step(self, model: torch.nn.Module) -> None:  # noqa: B027 - optional hook, nothing by default
         """Called after the optimizer step (e.g. a projection onto the constraint set: post-processing)."""
@@ -396,10 +401,10 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def sum_dtype(p: torch.Tensor) -> torch.dtype:
-    """Gradient sums and their noise stay in fp32 (fp64 for fp64 parameters) until the noisy result is cast to the
-    parameter's dtype: rounding a low-precision sum before the noise would make the release depend on the data
-    beyond the sensitivity bound; after the noise it is post-processing."""
-    return torch.float64 if p.dtype == torch.float64 else torch.float32
+    """Gradient sums and their noise are float64 until the noisy result is cast to the parameter's dtype: the sums'
+    rounding is bounded in float64 (``fastdp.ops.summation``), and rounding a sum before the noise would make the
+    release depend on the data beyond the sensitivity bound; after the noise it is post-processing."""
+    return torch.float64
 
 
 def summed_loss_gradients(
@@ -486,7 +491,7 @@ def release_noisy_mean(
             noised.append(extra[0])
             scale.append(torch.full((), max(extra[1], 1e-30), dtype=extra[0].dtype, device=extra[0].device))
         torch._foreach_div_(noised, scale)
-        _add_noise(noised, 1.0, keys, step)
+        _add_noise(noised, [1.0] * len(noised), keys, step)
         torch._foreach_mul_(noised, scale)
         if expected_batch_size != 1.0:  # 1.0: the caller folded the division into the sums and stds
             torch._foreach_div_(noised, expected_batch_size)
@@ -503,6 +508,11 @@ def _release(params: list[torch.nn.Parameter], sums: list[torch.Tensor], stds: l
     if torch.compiler.is_compiling():  # drawn eagerly, outside any graph (see draw_eagerly)
         _release_eagerly(params, sums, stds, scale, keys, step)
         return
+    if any(s.dtype == torch.float64 and p.dtype != torch.float64 for p, s in zip(params, sums, strict=True)):
+        _add_noise(sums, stds, keys, step)  # float64 sums of lower-precision parameters: noise, then the mean
+        if scale != 1.0:
+            torch._foreach_div_(sums, scale)
+        return
     seed, offset = keys.noise_key(step)  # here, eagerly: a graph never captures a key
     fused = _FUSED_STEP.get()
     updates = fused.updates(params, sums) if fused is not None else None
@@ -511,12 +521,23 @@ def _release(params: list[torch.nn.Parameter], sums: list[torch.Tensor], stds: l
         fused.applied = True
 
 
-def _add_noise(sums: list[torch.Tensor], stds, keys: PrivacyKeys, step: int) -> None:
+def _add_noise(sums: list[torch.Tensor], stds: list[float], keys: PrivacyKeys, step: int) -> None:
     if torch.compiler.is_compiling():  # drawn eagerly, outside any graph (see draw_eagerly)
         _add_noise_eagerly(sums, stds, keys, step)
         return
     seed, offset = keys.noise_key(step)  # here, eagerly: a graph never captures a key
-    add_noise_(sums, stds, seed=seed, offset=offset, num_draws=NOISE_DRAWS)
+    wide = [s.dtype == torch.float64 for s in sums]
+    if not any(wide) or all(s.dtype == torch.float64 and s.numel() == 0 for s in sums):
+        add_noise_(sums, stds, seed=seed, offset=offset, num_draws=NOISE_DRAWS)
+        return
+    # float64 sums (fastdp.ops.summation): the noise drawn by the float32 kernel into float32 buffers (in place, the
+    # same stream), then added in float64, before any cast: no float64 draws (the reference's, several passes)
+    drawn = [torch.zeros(s.shape, dtype=torch.float32, device=s.device) if w else s for s, w in zip(sums, wide,
+             strict=True)]  # fmt: skip
+    add_noise_(drawn, stds, seed=seed, offset=offset, num_draws=NOISE_DRAWS)
+    for s, d, w in zip(sums, drawn, wide, strict=True):
+        if w:
+            s.add_(d)
 
 
 def draw_eagerly(fn):

@@ -90,7 +90,8 @@ from fastdp.nn.forms import (
     shared_parameters,
 )
 from fastdp.nn.layers import DIRECT_MEMORY_BUDGET
-from fastdp.ops import clip_factors
+from fastdp.ops import clip_factors, summation
+from fastdp.ops.summation import CompensatedSum
 from fastdp.privacy.accounting import per_layer_noise_multiplier
 from fastdp.privacy.rng import PrivacyKeys
 
@@ -252,13 +253,13 @@ class GhostBackward:
         ``shared``, by parameter ``id``) as one tensor per trainable parameter, in ``params`` order and its
         ``sum_dtype``; a parameter two calls use gets the sum of both calls' sums (a tied weight, a layer called
         twice)."""
-        sums = dict(shared or {})
+        sums = {key: CompensatedSum().add_(total) for key, total in (shared or {}).items()}
         for layer, totals in zip(self.layers, layer_sums, strict=True):
             if totals is None:
                 continue
             for p, total in zip(layer.dp_parameters(), totals, strict=True):
-                sums[id(p)] = total if id(p) not in sums else sums[id(p)] + total
-        return [sums[id(p)].to(sum_dtype(p)) for p in self.params]
+                sums.setdefault(id(p), CompensatedSum()).add_(total)
+        return [sums[id(p)].value().to(sum_dtype(p)) for p in self.params]
 
 
 def ghost_backward(
@@ -363,10 +364,10 @@ def _clip_and_sum(
         uses = map_tensors(uses, _finite_entries)
     own_factors = iter(factors)
     sums = [(layer.clipped_grad_sums(a, g, next(own_factors), cache) if ts is None else
-             formed_weighted_sums(ts, next(own_factors), acc)) if own else None
+             formed_weighted_sums(ts, next(own_factors))) if own else None
             for layer, a, g, cache, ts, own in zip(layers, saved, grads_out, caches, formed, alone,
                                                    strict=True)]  # fmt: skip
-    shared_sums = formed_sums(uses, factors[-1], acc) if uses else {}
+    shared_sums = formed_sums(uses, factors[-1]) if uses else {}
     return sums, shared_sums, losses.sum(), dropped
 
 
@@ -400,8 +401,7 @@ def clipped_gradient_sum(
     with exact_fp32():  # TF32/bf16 products would round c_i and the gradients beyond the clip
         for group, c in zip(groups, factors, strict=True):
             for i in group:
-                sums[i] = torch.einsum("b,b...->...", c.to(sum_dtype(params[i])),
-                                       per_example[i].to(sum_dtype(params[i])))  # fmt: skip
+                sums[i] = summation.weighted_sum(c, per_example[i])
     with torch.no_grad():
         loss = (loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y) * batch.mask).sum()
     return sums, loss
@@ -441,6 +441,7 @@ class DPSGD(Variant):
         self.noise_multiplier = float(noise_multiplier)
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = self.sample_rate * num_examples
+        self.num_examples = int(num_examples)
         self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
         self.mode = mode
         self._prepared: weakref.WeakSet = weakref.WeakSet()  # models converted (by identity; a freed id can recur)
@@ -471,15 +472,23 @@ class DPSGD(Variant):
                   for p in layer.dp_parameters()}  # fmt: skip
         return [std_of[id(p)] for p in params]
 
+    def sum_clip_norm(self) -> float | list[float]:
+        """The clip bound(s) the sums are clipped at: C' = C / (1 + s) (``fastdp.ops.summation.clip_bound``), so that
+        with the float64 sums' rounding one example moves the release by at most C, the noise's calibration."""
+        world = summation.world_size()
+        if isinstance(self.clip_norm, float):
+            return summation.clip_bound(self.clip_norm, self.num_examples, world)
+        return [summation.clip_bound(c, self.num_examples, world) for c in self.clip_norm]
+
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         # 1/(qN) rides on the clip factors and the noise std is scaled to match (release): the same release as
         # noise on the sum divided by qN, without a division pass over the gradients
         self.prepare(model)
         scale = 1.0 / self.expected_batch_size
         if self.mode == "reference":
-            return clipped_gradient_sum(model, self.loss_fn, batch, self.clip_norm, scale, self._forward)
+            return clipped_gradient_sum(model, self.loss_fn, batch, self.sum_clip_norm(), scale, self._forward)
         # bf16/fp16: a non-finite example contributes zero (module docstring, "Non-finite examples")
-        sums, loss, dropped = _ghost_clipped_gradient_sum(model, self.loss_fn, batch, self.clip_norm, scale,
+        sums, loss, dropped = _ghost_clipped_gradient_sum(model, self.loss_fn, batch, self.sum_clip_norm(), scale,
                                                           self._forward, self.loss_scale,
                                                           self.precision != "fp32", self.form_budget)  # fmt: skip
         if dropped is not None:
@@ -503,7 +512,7 @@ class DPSGD(Variant):
             if t is not None
         )
         scale, finite_only = 1.0 / self.expected_batch_size, low or self.precision != "fp32"
-        sums, loss, dropped = clipped_sums_of_backward(model, run, mask, self.clip_norm, scale,
+        sums, loss, dropped = clipped_sums_of_backward(model, run, mask, self.sum_clip_norm(), scale,
                                                        loss_scale * self.loss_scale, finite_only)  # fmt: skip
         if dropped is not None:
             self.nonfinite_examples = self.nonfinite_examples + dropped

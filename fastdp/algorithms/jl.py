@@ -86,7 +86,7 @@ from fastdp.algorithms.base import (
 )
 from fastdp.algorithms.dpsgd import GhostBackward, dp_layers, ghost_backward
 from fastdp.nn import check_supported, convert
-from fastdp.ops import rounding_gamma
+from fastdp.ops import rounding_gamma, summation
 from fastdp.privacy.jl import jl_z_floor
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 from fastdp.ref.noise import stream_starts
@@ -120,9 +120,9 @@ def _tangents_of(
     count: int, dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Tangents ``first .. first + count - 1`` of ``step`` restricted to ``params[k]`` for k in ``which``: one
-    ``[count, *params[k].shape]`` tensor each, drawn in ``sum_dtype``, rounded to the parameter's dtype (as the model
-    sees them), then held in ``dtype`` (default: the parameter's; float64 for the projections: exact). Only one
-    tangent of these parameters in the drawing dtype exists at a time."""
+    ``[count, *params[k].shape]`` tensor each, drawn in float32 (float64 for float64 parameters), rounded to the
+    parameter's dtype (as the model sees them), then held in ``dtype`` (default: the parameter's; float64 for the
+    projections: exact). Only one tangent of these parameters in the drawing dtype exists at a time."""
     if torch.compiler.is_compiling():
         return _tangents_of_eagerly(params, which, keys, step, projections, first, count, dtype)
     seed, base = keys.tangent_key(step, projections)
@@ -130,7 +130,8 @@ def _tangents_of(
     chosen = [params[k] for k in which]
     out = [torch.empty(count, *p.shape, dtype=dtype or p.dtype, device=p.device) for p in chosen]
     for j in range(count):
-        draws = [torch.zeros(p.shape, dtype=sum_dtype(p), device=p.device) for p in chosen]
+        draws = [torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
+                             device=p.device) for p in chosen]  # fmt: skip
         _draw_at(draws, [starts[k] for k in which], seed, base + first + j)
         for held, drawn, p in zip(out, draws, chosen, strict=True):
             held[j].copy_(drawn.to(p.dtype))
@@ -283,19 +284,20 @@ def norm_estimates(p: torch.Tensor) -> torch.Tensor:
 def jl_weights(
     p: torch.Tensor, err: torch.Tensor, allowance: torch.Tensor, clip_norm: float, z_floor: float, acc: torch.dtype
 ) -> torch.Tensor:
-    """``w_i = min(1, C / ((M_i + err_i + allowance_i / z_floor + 1e-6) (1 + 4u)))`` (module docstring, "Rounding"):
-    the factor whose contribution ``w_i (g_i + e_i)`` stays within ``C max(Z, z_floor)``. M is rounded up (its own
-    float64 rounding); ``(1 + 4u)`` covers rounding w to ``acc`` (u its unit roundoff)."""
+    """``w_i = min(1, C / (max(M_i + err_i + 1e-6, allowance_i / z_floor) (1 + 4u)))`` (module docstring,
+    "Rounding"): the factor whose contribution ``w_i g_i`` stays within ``C max(Z, z_floor)`` and whose clipped mass
+    within ``MASS_RATIO C`` (``fastdp.ops.summation``). M is rounded up (its own float64 rounding); ``(1 + 4u)``
+    covers rounding w to ``acc`` (u its unit roundoff)."""
     m = norm_estimates(p) * (1 + rounding_gamma(p.shape[1] + 4, torch.float64))
-    denominator = (m + err + allowance / z_floor + NORM_EPS) * (1 + 4 * torch.finfo(acc).eps / 2)
+    denominator = torch.maximum(m + err + NORM_EPS, allowance / z_floor) * (1 + 4 * torch.finfo(acc).eps / 2)
     return (clip_norm / denominator).clamp(max=1.0)
 
 
 def _clipped_sum(run: GhostBackward, weights: torch.Tensor, caches: list) -> list[torch.Tensor]:
     sums = []
-    with exact_fp32():  # the allowances are IEEE float32's, whatever the user's TF32/bf16 settings
+    with exact_fp32():  # the per-example gradients a layer forms are normed as formed, in IEEE float32
         for layer, saved, grad_out, cache in zip(run.layers, run.saved, run.grads_out, caches, strict=True):
-            sums.append(layer.clipped_grad_sums(saved, grad_out, weights.to(sum_dtype(grad_out)), cache))
+            sums.append(layer.clipped_grad_sums(saved, grad_out, weights, cache))
     return run.by_parameter(sums)
 
 
@@ -353,6 +355,7 @@ class JL(Variant):
         self.noise_multiplier = float(noise_multiplier)
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = self.sample_rate * num_examples
+        self.num_examples = int(num_examples)
         self.projections = projections
         self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
         self.chunk = chunk  # None: each layer's chunk from the memory budget (jl_projections)
@@ -390,9 +393,10 @@ class JL(Variant):
         """w_i (:func:`jl_weights`) on real rows (``mask``), 0 on padding."""
         p, err, allowance = jl_projections(run, self.keys, step, self.projections, self.chunk, caches,
                                            self.memory_budget, self.memory_budget_bytes)  # fmt: skip
-        acc = sum_dtype(run.grads_out[0]) if run.grads_out else torch.float32
-        weights = jl_weights(p, err, allowance, self.clip_norm, self.z_floor, acc)
-        return weights * mask.to(weights.dtype)
+        acc = torch.float64 if run.grads_out and run.grads_out[0].dtype == torch.float64 else torch.float32
+        clip = summation.clip_bound(self.clip_norm, self.num_examples, summation.world_size())
+        weights = jl_weights(p, err, allowance, clip, self.z_floor, acc)
+        return (weights * mask.to(weights.dtype)).to(acc)  # rounded to acc: jl_weights' (1 + 4u) covers it
 
     def sums_of_backward(
         self, model: nn.Module, run: GhostBackward, mask: torch.Tensor, step: int, loss_scale: float = 1.0

@@ -66,7 +66,7 @@ class TorchOptimizerStep:
                         return None
                     continue
                 i = position[id(p)]
-                if p.dtype != torch.float32 or sums[i].dtype != torch.float32 or p.is_sparse:
+                if p.dtype != sums[i].dtype or p.dtype not in (torch.float32, torch.float64) or p.is_sparse:
                     return None
                 if group.get("fused") and p.device.type != "cpu":  # torch keeps a fused step's count on the GPU
                     return None

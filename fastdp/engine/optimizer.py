@@ -45,6 +45,7 @@ from fastdp.engine.module import PrivateModule, Recorded
 from fastdp.nn import check_supported
 from fastdp.nn.ghost import output_gradients
 from fastdp.nn.rows import RowProbe, _rows_of, row_functional
+from fastdp.ops.summation import CompensatedSum
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -294,11 +295,11 @@ class DPOptimizer(Optimizer):
         for recorded in recorded_forwards:
             self._rows_since_release += 0 if recorded.public else recorded.examples
             sums = self._backward_sums(recorded)
-            if self._sums is None:
-                self._sums = sums
+            if self._sums is None:  # physical batches' sums added by TwoSum (fastdp.ops.summation)
+                self._sums = [CompensatedSum() for _ in sums]
                 self._pending_batch = None if loader is None else loader.batches_drawn
-            else:
-                torch._foreach_add_(self._sums, sums)
+            for total, part in zip(self._sums, sums, strict=True):
+                total.add_(part)
         self.module.check_buffers()  # after the row probe's forwards too, before anything is released
         skip, self._skip_next = self._skip_next, False
         if not skip:
@@ -341,7 +342,8 @@ class DPOptimizer(Optimizer):
         model = self.module._module
         self.variant.check_parameters(model)
         params = trainable_parameters(model)
-        sums = self._sums if self._sums is not None else [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params]
+        sums = ([total.value() for total in self._sums] if self._sums is not None
+                else [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params])  # fmt: skip
         self._sums = None
         if self.parallel is not None:  # data-parallel: the global batch's sums, then noise once
             self.parallel.all_reduce_sum(sums)

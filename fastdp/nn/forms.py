@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdp import _backend
-from fastdp.ops import rounding_gamma
+from fastdp.ops import rounding_gamma, summation
 
 GRAM_CHUNK_ELEMENTS = 1 << 24  # float64 entries of the [b, T, T'] products formed at a time (128 MiB)
 
@@ -193,56 +192,18 @@ def dense(form: Form, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return out.reshape(b, *shape)
 
 
-# outer_sum's size from which oneDNN beats torch.mm on CPU (2 threads: equal at 8M multiply-adds, 1.8x at 34M)
-ONEDNN_MIN_MULTIPLY_ADDS = 2**24
-
-
-def outer_sum(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``left^T right`` [p, d] of ``left`` [N, p] and ``right`` [N, d], one dtype: a clipped weight sum over N rows.
-
-    CPU float32 (eager) runs oneDNN's backward-weights of a 1 x 1 convolution over N positions, the rows read in
-    place as channels-last images (no transposed copies): about twice MKL's GEMM on AVX-512 CPUs (2026-11-24,
-    2 threads: N 2048 x 512 x 192 1.35 against 1.94 ms, N 4096 x 128 x 512 1.18 against 2.69 ms). Both are float32
-    sums of the N products in some blocked order: the rounding allowance of ``fastdp.nn.layers._clip_sq`` is the
-    same, and ``fastdp._precision.exact_fp32`` keeps oneDNN in IEEE float32 there. Below
-    :data:`ONEDNN_MIN_MULTIPLY_ADDS` (oneDNN's ~15 us a call and its first call per shape, up to 5 ms, outweigh it)
-    and elsewhere ``torch.mm``."""
-    multiply_adds = left.shape[0] * left.shape[1] * right.shape[1]
-    if (
-        multiply_adds == 0
-        or multiply_adds < ONEDNN_MIN_MULTIPLY_ADDS
-        or left.device.type != "cpu"
-        or left.dtype != torch.float32
-        or not torch.backends.mkldnn.is_available()
-        or not torch.backends.mkldnn.enabled
-        or not _backend.eager((left, right))
-    ):
-        return left.t() @ right
-    n, p, d = left.shape[0], left.shape[1], right.shape[1]
-    images = [x if x.stride() == (x.shape[1], 1) else x.contiguous() for x in (left, right)]
-    g, a = (x.as_strided((1, x.shape[1], 1, n), (n * x.shape[1], 1, n * x.shape[1], x.shape[1])) for x in images)
-    weight = right.new_empty((p, d, 1, 1))
-    grads = torch.ops.aten.convolution_backward(
-        g, a, weight, None, (1, 1), (0, 0), (1, 1), False, (0, 0), 1, (False, True, False)
-    )
-    return grads[1].view(p, d)
-
-
-def clipped_sum(form: Form, factors: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """``sum_i c_i grad_i(form)`` in ``dtype``, shaped as the parameter: one GEMM (Outer), one scatter (Rows), one
-    GEMV (Dense). Each example's terms are added in ``dtype``: at most ``positions u mass`` beyond its exact
-    contribution (``fastdp.nn.layers._clip_sq``)."""
-    c = factors.to(dtype)
+def clipped_sum(form: Form, factors: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``sum_i c_i grad_i(form)`` float64, shaped as the parameter: chunked float64 GEMMs (Outer), scatters (Rows),
+    GEMVs (Dense), whose rounding ``fastdp.ops.summation`` bounds."""
     if isinstance(form, Dense):
-        return (c @ _rows(form.t).to(dtype)).reshape(shape)
+        return summation.weighted_sum(factors, form.t).reshape(shape)
+    positions = form.positions()
+    scale = factors.repeat_interleave(positions) if positions != 1 else factors
     if isinstance(form, Outer):
-        left = form.left.to(dtype) * c.reshape(-1, 1, 1)
-        return outer_sum(
-            left.reshape(-1, left.shape[2]), form.right.to(dtype).reshape(-1, form.right.shape[2])
-        ).reshape(shape)
-    g = (form.g.to(dtype) * c.reshape(-1, 1, 1)).reshape(-1, form.g.shape[2])
-    total = torch.zeros(form.rows, g.shape[1], dtype=dtype, device=g.device)
-    return total.index_add_(0, form.idx.reshape(-1), g).reshape(shape)
+        left, right = form.left.reshape(-1, form.left.shape[2]), form.right.reshape(-1, form.right.shape[2])
+        return summation.outer_sum(left, right, left_scale=scale).reshape(shape)
+    g = form.g.reshape(-1, form.g.shape[2])
+    return summation.index_sum(form.idx.reshape(-1), g, form.rows, scale).reshape(shape)
 
 
 def formed_sq_norms(per_example: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
@@ -251,11 +212,9 @@ def formed_sq_norms(per_example: list[torch.Tensor], acc: torch.dtype) -> torch.
     return sum(torch.linalg.vector_norm(_rows(t), dim=1, dtype=acc).square() for t in per_example)
 
 
-def formed_weighted_sums(
-    per_example: list[torch.Tensor], factors: torch.Tensor, acc: torch.dtype
-) -> list[torch.Tensor]:
-    """``sum_i c_i g_i`` in ``acc`` of each of one layer call's formed per-example gradients (one GEMV each)."""
-    return [clipped_sum(Dense(t), factors, t.shape[1:], acc) for t in per_example]
+def formed_weighted_sums(per_example: list[torch.Tensor], factors: torch.Tensor) -> list[torch.Tensor]:
+    """``sum_i c_i g_i`` (float64) of each of one layer call's formed per-example gradients (one GEMV each)."""
+    return [clipped_sum(Dense(t), factors, t.shape[1:]) for t in per_example]
 
 
 def direct_is_cheaper(uses: list[Form], numel: int) -> bool:
@@ -329,27 +288,20 @@ def formed_norm_sq(uses: list[SharedParameter], acc: torch.dtype, budget: int) -
             use.per_example = functools.reduce(torch.add, (dense(f, p.shape, acc) for f in forms))
             sq = torch.linalg.vector_norm(_rows(use.per_example), dim=1, dtype=acc).square()
         else:
-            bound, _ = shared_norm_sq(forms, p.shape)
-            norm = bound.sqrt() + sum(_summed_terms(f) * u * mass(f) for f in forms)
+            bound, masses = shared_norm_sq(forms, p.shape)
+            norm = torch.maximum(bound.sqrt(), masses * (1 / summation.MASS_RATIO) * (1 + 2.0**-52))
             sq = (norm * norm * (1 + 4 * u)).to(acc)
         total = sq if total is None else total + sq
     return total
 
 
-def _summed_terms(form: Form) -> int:
-    """How many of an example's terms :func:`clipped_sum` adds per entry of ``form``'s sum, for its summation
-    allowance: the positions of a product or row form; 2 for a Dense one (the product by c_i and its addition into
-    the GEMV's sum, each rounded: where the uses' gradients cancel at large magnitude, each use's own sum rounds at
-    that magnitude)."""
-    return max(form.positions(), 2)
-
-
-def formed_sums(uses: list[SharedParameter], factors: torch.Tensor, acc: torch.dtype) -> dict[int, torch.Tensor]:
-    """``sum_i c_i grad_i`` per parameter of ``uses`` (by ``id``), in ``acc``: one weighted sum of the formed
-    per-example gradients where :func:`formed_norm_sq` formed them, else each use's clipped sum, added."""
+def formed_sums(uses: list[SharedParameter], factors: torch.Tensor) -> dict[int, torch.Tensor]:
+    """``sum_i c_i grad_i`` per parameter of ``uses`` (by ``id``), float64: one weighted sum of the formed
+    per-example gradients where :func:`formed_norm_sq` formed them, else each use's clipped sum, added
+    (``fastdp.ops.summation.add_all``)."""
     sums = {}
     for use in uses:
         shape = use.param.shape
         forms = [Dense(use.per_example)] if use.per_example is not None else use.forms
-        sums[id(use.param)] = functools.reduce(torch.add, (clipped_sum(f, factors, shape, acc) for f in forms))
+        sums[id(use.param)] = summation.add_all(clipped_sum(f, factors, shape) for f in forms)
     return sums

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from fastdp.nn.forms import Dense, Form, Outer, Rows, outer_sum
+from fastdp.nn.forms import Dense, Form, Outer, Rows
 from fastdp.nn.ghost import active_context
 from fastdp.ops import (
     certified_conv_ghost_norm_sq,
@@ -40,7 +40,9 @@ from fastdp.ops import (
     certified_projections,
     certified_token_match_norm_sq,
     rounding_gamma,
+    summation,
 )
+from fastdp.ops.summation import MASS_RATIO
 
 PROJECTION_CHUNK_ELEMENTS = 1 << 24  # float64 entries a JL projection forms at a time (128 MiB)
 
@@ -94,26 +96,25 @@ def _use_ghost(positions: int, out_features: int, in_features: int) -> bool:
     return positions * (out_features + in_features) < out_features * in_features
 
 
-def _clip_sq(bound_sq: torch.Tensor, mass: torch.Tensor, positions: int, acc: torch.dtype) -> torch.Tensor:
-    """The squared norm an example is clipped by when its contribution is summed by a GEMM (or a scatter) over its
-    ``positions`` rows in ``acc``: ``(sqrt(bound_sq) + positions u mass)^2``, rounded up into ``acc``.
+def _clip_sq(bound_sq: torch.Tensor, mass: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """The squared norm an example is clipped by when its contribution is summed over its positions (a GEMM or a
+    scatter): ``max(sqrt(bound_sq), mass / MASS_RATIO)^2``, rounded up into ``acc``.
 
     ``bound_sq`` (float64) bounds the exact squared norm of the example's gradient; ``mass`` (float64) bounds
-    ``sum_t |a_t| |g_t|``, the size of the terms the sum adds for it. Adding each term rounds by at most u (acc's
-    unit roundoff) of a partial sum, so the example's own terms move the computed sum by at most ``positions u
-    mass`` beyond its exact contribution: included here, the clip factor bounds what is actually summed, also for
-    an example whose positions cancel at large magnitude (mass >> norm). Rounding of the other examples' partial
-    sums (relative u of the batch's sum, as in any fp32 training) is not attributable to one example and not
-    included. For ordinary examples (mass ~ sqrt(T) norm) the allowance is ~T^1.5 u: 3e-5 of the norm at T = 64."""
+    ``sum_t |a_t| |g_t|``, the size of the terms the sum adds for it. The sums are float64 with a rounding bound
+    proportional to the clipped masses of the whole batch (``fastdp.ops.summation``): clipping by ``mass /
+    MASS_RATIO`` too keeps every example's clipped mass within ``MASS_RATIO C'``, which that bound needs. It binds
+    only for an example whose positions cancel at large magnitude (mass over 1024 times its norm; ordinary
+    gradients have about sqrt(T))."""
     u = torch.finfo(acc).eps / 2
-    norm = bound_sq.sqrt() + _summation_allowance(mass, positions, acc)
+    norm = torch.maximum(bound_sq.sqrt(), _mass_allowance(mass))
     return (norm * norm * (1 + 4 * u)).to(acc)  # 4u up, then one rounding to nearest: never below
 
 
-def _summation_allowance(mass: torch.Tensor, positions: int, acc: torch.dtype) -> torch.Tensor:
-    """``positions u mass`` (u: ``acc``'s unit roundoff): how far summing an example's ``positions`` terms, of total
-    size ``mass`` (float64), into a sum in ``acc`` can move the sum beyond its exact contribution (:func:`_clip_sq`)."""
-    return (positions * torch.finfo(acc).eps / 2) * mass
+def _mass_allowance(mass: torch.Tensor) -> torch.Tensor:
+    """``mass / MASS_RATIO`` (float64, rounded up): the norm an example of terms of total size ``mass`` is clipped
+    by at least (:func:`_clip_sq`; DP-SGD-JL's ``allowance``)."""
+    return mass * (1 / MASS_RATIO) * (1 + 2.0**-52)
 
 
 def _mass(a: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
@@ -141,7 +142,6 @@ def _projections(
     b, r = grad_out.shape[0], tangents[0].shape[0]
     if rows is None:
         rows = max(1, PROJECTION_CHUNK_ELEMENTS // max(1, sum(t[0].numel() for t in tangents)))
-    acc = _acc(grad_out)
     flat = [t.reshape(r, -1) for t in tangents]
     p = torch.zeros(b, r, dtype=torch.float64, device=grad_out.device)
     err = torch.zeros(b, dtype=torch.float64, device=grad_out.device)
@@ -153,7 +153,7 @@ def _projections(
             proj, e = certified_projections(per_example.reshape(per_example.shape[0], -1), v, mass, positions)
             p[part] += proj
             err[part] += e
-            allowance[part] += _summation_allowance(mass, positions + 2, acc)  # + scaling by c_i, + the final add
+            allowance[part] += _mass_allowance(mass)
     return p, err, allowance
 
 
@@ -164,7 +164,7 @@ def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) ->
     b, t, d = a.shape
     p = g.shape[2]
     if _use_ghost(t, p, d) or not _fits(b, p, d, itemsize=g.element_size()):
-        return _clip_sq(*certified_ghost_norm_sq(a, g), t, _acc(a))
+        return _clip_sq(*certified_ghost_norm_sq(a, g), _acc(a))
     per_example = torch.einsum("btp,btd->bpd", g, a)
     if cache is not None:
         cache["weight"] = per_example
@@ -172,37 +172,28 @@ def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) ->
 
 
 def _clipped_weight_sum(a: torch.Tensor, grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``sum_i c_i g_i^T a_i`` [p, d] for a [B, ..., d], G [B, ..., p]: one GEMM over every example's positions, the
-    narrower of G and A scaled by c (a Linear's clipped weight sum, in the accumulation dtype)."""
-    acc = _acc(a)
+    """``sum_i c_i g_i^T a_i`` [p, d], float64, for a [B, ..., d], G [B, ..., p]: float64 GEMMs over every
+    example's positions in chunks (``fastdp.ops.summation.outer_sum``), the narrower of G and A scaled by c."""
+    positions = math.prod(a.shape[1:-1])
+    rows_a, rows_g = a.reshape(-1, a.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+    scale = factors.repeat_interleave(positions) if positions != 1 else factors
     if a.shape[-1] < grad_out.shape[-1]:
-        g, scaled = grad_out.to(acc), _scale_rows(a, factors)
-    else:
-        g, scaled = _scale_rows(grad_out, factors), a.to(acc)
-    return outer_sum(g.reshape(-1, g.shape[-1]), scaled.reshape(-1, scaled.shape[-1]))
-
-
-def _scale_rows(grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """c_i * G_i for each example i, in the accumulation dtype (clipped sums in fp32 for half types)."""
-    acc = _acc(grad_out)
-    return grad_out.to(acc) * factors.to(acc).reshape(-1, *([1] * (grad_out.dim() - 1)))
+        return summation.outer_sum(rows_g, rows_a, right_scale=scale)
+    return summation.outer_sum(rows_g, rows_a, left_scale=scale)
 
 
 def _weighted(factors: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
-    """sum_i c_i x_i for x [B, ...], in the accumulation dtype (fp32 for half types, so rounding cannot push one
-    example's clipped contribution past its bound)."""
-    acc = _acc(per_example)
-    flat = per_example.reshape(per_example.shape[0], math.prod(per_example.shape[1:])).to(acc)
-    return (factors.to(acc) @ flat).reshape(per_example.shape[1:])  # one GEMV
+    """sum_i c_i x_i for x [B, ...], float64 (``fastdp.ops.summation.weighted_sum``)."""
+    return summation.weighted_sum(factors, per_example)
 
 
 def _weighted_blocks(factors: torch.Tensor, blocks) -> torch.Tensor:
     """:func:`_weighted` of per-example tensors kept as blocks of consecutive examples ([m, ...] each, in order)."""
-    total, start = None, 0
+    parts, start = [], 0
     for block in blocks:
-        part = _weighted(factors[start : start + block.shape[0]], block)
-        total, start = part if total is None else total.add_(part), start + block.shape[0]
-    return total
+        parts.append(_weighted(factors[start : start + block.shape[0]], block))
+        start += block.shape[0]
+    return summation.add_all(parts)
 
 
 def own_trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -285,14 +276,14 @@ class Linear(nn.Linear, DPLayer):
             1 + rounding_gamma(p * d + 2, torch.float64)
         )
         err = rounding_gamma(p + d + 2, torch.float64) * v_norm * mass
-        allowance = _summation_allowance(mass, 3, _acc(grad_out))
+        allowance = _mass_allowance(mass)
         if self.bias is not None and self.bias.requires_grad:
             bias_mass = _mass(None, g2.unsqueeze(1))
             bias, bias_err = certified_projections(g2, tangents[1].reshape(r, -1), bias_mass, 1)
             proj, err, allowance = (
                 proj + bias,
                 err + bias_err,
-                allowance + _summation_allowance(bias_mass, 3, _acc(grad_out)),
+                allowance + _mass_allowance(bias_mass),
             )
         return proj, err, allowance
 
@@ -436,6 +427,27 @@ class _ConvNd(DPLayer):
                                                    self.dilation, False, [0] * self._spatial, groups,
                                                    (False, True, False))[1]  # fmt: skip
 
+    def _clipped_weight_sum(self, x: torch.Tensor, grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+        """``sum_i c_i grad_i`` of the weight, float64: per group, float64 GEMMs of G's rows and the input patches'
+        (``fastdp.ops.summation.outer_sum``), the patches of a block of examples at a time (at most
+        ``SUM_CHUNK_ROWS`` rows, or one example), the blocks added by ``CompensatedSum``."""
+        b, groups, cg = x.shape[0], self.groups, self.weight.shape[1]
+        if b == 0:
+            return torch.zeros(self.weight.shape, dtype=torch.float64, device=x.device)
+        positions = math.prod(grad_out.shape[2:])
+        per = max(1, summation.SUM_CHUNK_ROWS // max(1, positions))
+        totals = [summation.CompensatedSum() for _ in range(groups)]
+        for start in range(0, b, per):
+            a, g = self._grouped(x[start : start + per], grad_out[start : start + per])
+            m = a.shape[0] // groups
+            a, g = a.reshape(m, groups, positions, -1), g.reshape(m, groups, positions, -1)
+            scale = factors[start : start + per].repeat_interleave(positions)
+            for j, total in enumerate(totals):
+                total.add_(summation.outer_sum(g[:, j].reshape(-1, g.shape[-1]), a[:, j].reshape(-1, a.shape[-1]),
+                                               left_scale=scale))  # fmt: skip
+        weight = torch.stack([total.value() for total in totals])  # [groups, C_out/g, k * cg], features (k, c)
+        return weight.reshape(self.out_channels, -1, cg).transpose(1, 2).reshape(self.weight.shape)
+
     def _per_example_weight(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
         """[B, *weight.shape] per-example weight gradients (:meth:`_per_example_weight_chunks`, joined)."""
         chunks = self._per_example_weight_chunks(x, grad_out)
@@ -502,8 +514,7 @@ class _ConvNd(DPLayer):
                 b, self.out_channels, fan_in, itemsize=x.element_size()
             ):
                 bound, mass = self._ghost_bound(x, grad_out)  # per example and group: the groups' blocks add
-                total += _clip_sq(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1),
-                                  positions, _acc(x))  # fmt: skip
+                total += _clip_sq(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1), _acc(x))
             else:
                 chunks = self._per_example_weight_chunks(x, grad_out)
                 if cache is not None:
@@ -552,13 +563,8 @@ class _ConvNd(DPLayer):
         sums = []
         if self.weight.requires_grad and cache and "weight" in cache:
             sums.append(_weighted_blocks(factors, cache["weight"]))
-        elif self.weight.requires_grad:  # one weight-gradient convolution, the smaller of x and G scaled by c
-            acc = _acc(x)
-            if x.numel() < grad_out.numel():
-                x, g = _scale_rows(x, factors), grad_out.to(acc)
-            else:
-                x, g = x.to(acc), _scale_rows(grad_out, factors)
-            sums.append(self._weight_grad(x, g, self.weight.shape, self.groups))
+        elif self.weight.requires_grad:
+            sums.append(self._clipped_weight_sum(x, grad_out, factors))
         if self.bias is not None and self.bias.requires_grad:
             bias = cache["bias"] if cache and "bias" in cache else grad_out.flatten(2).sum(2)
             sums.append(_weighted(factors, bias))
@@ -639,7 +645,7 @@ class Embedding(nn.Embedding, DPLayer):
             if cache is not None:
                 cache["weight"] = per_example
             return _rowsq(per_example)
-        return _clip_sq(*certified_token_match_norm_sq(idx, g), t, _acc(grad_out))  # float64, rounding bounded
+        return _clip_sq(*certified_token_match_norm_sq(idx, g), _acc(grad_out))  # float64, rounding bounded
 
     def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:
         """The rows of G scattered by token id (``fastdp.nn.forms``: the weight shared with other layer calls, e.g. a
@@ -670,7 +676,7 @@ class Embedding(nn.Embedding, DPLayer):
             1 + rounding_gamma(v[0].numel() + 2, torch.float64)
         )
         err = rounding_gamma(t + dim + 2, torch.float64) * v_norm * mass
-        return p, err, _summation_allowance(mass, t + 2, _acc(grad_out))
+        return p, err, _mass_allowance(mass)
 
     def clipped_grad_sums(
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
@@ -681,9 +687,8 @@ class Embedding(nn.Embedding, DPLayer):
         if cache and "weight" in cache:
             return [_weighted(factors, cache["weight"])]
         idx, g = self._tokens(idx, grad_out)
-        weighted = _scale_rows(g, factors).reshape(-1, g.shape[-1])
-        total = torch.zeros(self.num_embeddings, g.shape[-1], dtype=weighted.dtype, device=g.device)
-        return [total.index_add_(0, idx.reshape(-1), weighted)]
+        scale = factors.repeat_interleave(idx.shape[1])
+        return [summation.index_sum(idx.reshape(-1), g.reshape(-1, g.shape[-1]), self.num_embeddings, scale)]
 
 
 class _AffineNorm(DPLayer):

@@ -1,0 +1,151 @@
+"""The float64 batch sums of a release (``fastdp.ops.summation``): their rounding bound, and one example's effect on
+the released sum against C whatever the batch (the privacy review's fp32 hole: aligned gradients, cancelling
+positions, many examples)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fastdp.algorithms.base import Batch
+from fastdp.algorithms.dpsgd import DPSGD
+from fastdp.algorithms.jl import JL
+from fastdp.ops import summation
+from fastdp.ops.summation import SUM_CHUNK_ROWS, CompensatedSum, clip_bound, sensitivity_slack
+
+F64 = torch.float64
+
+
+def _exact(values: list[float]) -> float:
+    return math.fsum(values)
+
+
+def test_the_compensated_sum_is_exact_up_to_one_rounding_where_plain_float64_loses_everything():
+    parts = [1e16, 1.0, -1e16, 3.0, 2.0**-30, 1e300 * 0.0] * 1000
+    total = CompensatedSum()
+    for v in parts:
+        total.add_(torch.tensor([v], dtype=F64))
+    plain = sum(parts)  # float64, left to right
+    exact = _exact(parts)
+    assert abs(total.value().item() - exact) <= 2 * 2.0**-53 * abs(exact)
+    assert abs(plain - exact) > 1.0  # what TwoSum saves
+
+
+def test_add_all_and_the_part_limit():
+    assert torch.equal(summation.add_all([torch.ones(3), torch.ones(3)]), torch.full((3,), 2.0, dtype=F64))
+    with pytest.raises(ValueError, match="at least one"):
+        summation.add_all([])
+    total = CompensatedSum()
+    total.parts = summation.MAX_PARTS
+    with pytest.raises(RuntimeError, match="parts"):
+        total.add_(torch.ones(1))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, SUM_CHUNK_ROWS, 3 * SUM_CHUNK_ROWS + 5])
+@pytest.mark.parametrize("side", ["left", "right", None])
+def test_outer_sum_is_within_its_rounding_bound_of_the_exact_product(rows, side):
+    gen = torch.Generator().manual_seed(rows)
+    left, right = torch.randn(rows, 5, generator=gen), torch.randn(rows, 3, generator=gen) * 1e3
+    left[::2] *= 1e6  # cancellation at large magnitude
+    scale = torch.rand(rows, generator=gen)
+    kwargs = {} if side is None else {f"{side}_scale": scale}
+    out = summation.outer_sum(left, right, **kwargs)
+    assert out.dtype == F64 and out.shape == (5, 3)
+    s = scale.double() if side else torch.ones(rows, dtype=F64)
+    terms = [[[float(s[k]) * float(left[k, i]) * float(right[k, j]) for k in range(rows)] for j in range(3)]
+             for i in range(5)]  # fmt: skip
+    gamma = summation.rounding_gamma(summation.rounding_terms(), F64)
+    for i in range(5):
+        for j in range(3):
+            exact = _exact(terms[i][j])
+            assert abs(out[i, j].item() - exact) <= gamma * math.fsum(abs(t) for t in terms[i][j]) + 1e-300
+
+
+def test_weighted_and_index_sums_match_the_exact_ones_over_many_chunks():
+    gen = torch.Generator().manual_seed(0)
+    n = 2 * SUM_CHUNK_ROWS + 17
+    rows = torch.randn(n, 4, generator=gen)
+    c = torch.rand(n, generator=gen, dtype=F64)
+    exact = [math.fsum(float(c[k]) * float(rows[k, j]) for k in range(n)) for j in range(4)]
+    assert torch.allclose(summation.weighted_sum(c, rows), torch.tensor(exact, dtype=F64), rtol=1e-13, atol=1e-13)
+    idx = torch.randint(0, 5, (n,), generator=gen)
+    out = summation.index_sum(idx, rows, 6, c)
+    for r in range(6):
+        want = [math.fsum(float(c[k]) * float(rows[k, j]) for k in range(n) if idx[k] == r) for j in range(4)]
+        assert torch.allclose(out[r], torch.tensor(want, dtype=F64), rtol=1e-13, atol=1e-13)
+    assert torch.equal(out[5], torch.zeros(4, dtype=F64))
+
+
+def test_the_slack_grows_with_the_data_set_and_the_clip_bound_absorbs_it():
+    assert 0 < sensitivity_slack(60_000) < 1e-4 and sensitivity_slack(10**6) < 1e-3
+    assert sensitivity_slack(10**6) > sensitivity_slack(60_000) and sensitivity_slack(100, 8) > sensitivity_slack(100)
+    for n in (1, 60_000, 10**7):
+        bound = clip_bound(2.0, n)
+        assert bound < 2.0 and bound * (1 + sensitivity_slack(n)) <= 2.0
+    for bad in (0, -1, 2.5, None):
+        with pytest.raises(ValueError, match="positive integer"):
+            sensitivity_slack(bad)
+
+
+def _loo(variant_of, model, x, y):
+    """||S(D) - S(D - example 0)||, the sums as released before the noise (float64; DP-SGD's carry 1/(qN), taken
+    off), with the same variant settings (data set size) for both."""
+    full = variant_of()
+    sums, _ = full.clipped_sum(model, Batch(x, y, torch.ones(len(x), dtype=torch.bool)), 0)
+    mask = torch.ones(len(x), dtype=torch.bool)
+    mask[0] = False
+    less, _ = variant_of().clipped_sum(model, Batch(x, y, mask), 0)
+    diff = torch.sqrt(sum((a - b).pow(2).sum() for a, b in zip(sums, less, strict=True)))
+    return float(diff) * (full.expected_batch_size if isinstance(full, DPSGD) else 1.0)
+
+
+def test_aligned_gradients_of_a_large_batch_move_the_release_by_at_most_c():
+    """The review's case: 8192 near-identical examples whose clipped gradients align (|sum| ~ 8000 C) and a target;
+    fp32 sums gave a leave-one-out change of 1.31 C."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    b = 8192
+    x = (torch.randn(1, 16) + 1e-3 * torch.randn(b, 16)) * 1e-3
+    y = torch.zeros(b, dtype=torch.long)
+    x[0], y[0] = torch.randn(16) * 3e-3, 3
+    change = _loo(lambda: DPSGD(1.0, 0.0, 1.0, b, reproducible_seed=0), model, x, y)
+    assert 0.99 < change <= 1.0
+
+
+class _Cancelling(nn.Module):
+    """A sequence Linear whose per-example gradient has positions cancelling at large magnitude (mass >> norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x).sum(1)
+
+
+@pytest.mark.parametrize("variant", ["dpsgd", "jl"])
+def test_cancelling_positions_in_many_aligned_examples_move_the_release_by_at_most_c(variant):
+    """Each example's two positions carry +-X (X huge) plus a small aligned part: the clipped masses are large, and
+    the batch's partial sums are where float32 lost C; the mass clip and the float64 sums keep the change below C."""
+    torch.manual_seed(1)
+    model = _Cancelling()
+    b = 3000
+    base = torch.randn(1, 1, 8)
+    x = torch.cat([base * 1e4, -base * 1e4 + 1e-2 * torch.randn(1, 1, 8)], 1).repeat(b, 1, 1)
+    x = x + 1e-3 * torch.randn(b, 2, 8)
+    y = torch.zeros(b, dtype=torch.long)
+    x[0] = torch.randn(2, 8)
+
+    def make():
+        if variant == "dpsgd":
+            return DPSGD(0.5, 0.0, 1.0, b, reproducible_seed=0)
+        return JL(0.5, 0.0, 1.0, b, projections=4, reproducible_seed=0)
+
+    bound = 0.5 if variant == "dpsgd" else 0.5 / make().z_floor  # JL: C max(Z, z_floor), Z revealed per step
+    change = _loo(make, model, x, y)
+    assert change <= bound * (1 + 1e-12)
+    if variant == "dpsgd":
+        assert change > 0.1  # the target is clipped at C, not dropped
