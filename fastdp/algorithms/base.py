@@ -60,9 +60,8 @@ SUMMED_IN_LOW_PRECISION = (
 # Why DP-SGD, whose bound survives autocast, still refuses low-precision parameters.
 LOW_PRECISION_PARAMETERS_DPSGD = (
     "its bf16/fp16 argument (set_precision) keeps fp32 parameters and runs only the forward under autocast, with the "
-    "per-example norms, clip factors and clipped sums accumulated in fp32; with bf16/fp16 parameters those are "
-    "computed in the parameters' dtype, and each layer's clipped sum is one low-precision matmul over the batch, "
-    "rounded after the examples are summed, so one example can move it beyond C"
+    "per-example norms and clip factors in fp32 and the clipped sums in float64; bf16/fp16 parameters (the norms "
+    "and the update in the parameters' dtype) are not validated against the bound"
 )
 
 
@@ -170,7 +169,8 @@ class Variant(abc.ABC):
 
     def set_precision(self, precision: str, loss_scale: float | None = None) -> None:
         """Run the model's forward (and thereby its backward) under ``torch.autocast`` to ``precision`` ("fp32",
-        "bf16" or "fp16"); per-example norms, clip factors, sums and noise stay in fp32 (see :meth:`_forward`).
+        "bf16" or "fp16"); per-example norms and clip factors stay in fp32, sums and noise in float64 (see
+        :meth:`_forward`).
 
         fp16 multiplies the summed loss by ``loss_scale`` (default ``DEFAULT_LOSS_SCALE``; a power of two, so
         unscaling in fp32 is exact) before the backward. The scale is fixed: there is no skipped step. A step that
