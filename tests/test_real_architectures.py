@@ -126,7 +126,7 @@ def test_clipped_sums_of_unmodified_models_equal_torch_func_in_float64(arch):
     x, y = _data(arch)
     batch = Batch(x, y, torch.ones(x.shape[0], dtype=torch.bool))
     expected = _clipped_reference(arch, model, loss_fn, batch, 0.5)
-    assert_ghost_is_reference(model, batch, 0.5, loss_fn, atol=1e-14, expected=expected)
+    assert_ghost_is_reference(model, batch, 0.5, loss_fn, atol=1e-12, expected=expected)  # norms rounded up by gamma_n
     if arch == "gpt2":  # nothing was changed by hand: tied, Conv1D, SDPA
         lm = model.lm
         assert lm.lm_head.weight is lm.transformer.wte.weight and lm.config._attn_implementation == "sdpa"
@@ -158,7 +158,7 @@ def test_the_front_door_releases_torch_funcs_clipped_sum_in_float64(arch):
     loss_fn(private(x), y).sum().backward()
     optimizer.step()
     for p, old, e in zip(model.parameters(), before, expected, strict=True):
-        torch.testing.assert_close(old - p.detach(), e, rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(old - p.detach(), e, rtol=1e-10, atol=1e-12)  # norms rounded up by gamma_n
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -240,7 +240,8 @@ def test_the_norm_of_a_cached_per_example_gradient_is_that_of_the_tensor_summed(
     sq = model.rnn.per_example_sq_norms(run.saved[index], run.grads_out[index], cache)
     assert sorted(cache) == ["bias0", "bias1", "weight0", "weight1"]  # per direction: [W_ih | W_hh], b_ih = b_hh
     summed = sum((1 if k.startswith("weight") else 2) * v.flatten(1).pow(2).sum(1) for k, v in cache.items())
-    torch.testing.assert_close(sq, summed, rtol=1e-15, atol=0)
+    assert torch.all(sq >= summed)  # rounded up (fastdp.ops.summation.sq_norms_up), by at most gamma_n
+    torch.testing.assert_close(sq, summed, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)

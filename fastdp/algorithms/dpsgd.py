@@ -336,7 +336,7 @@ def _clip_and_sum(
     acc = torch.float64 if torch.float64 in dtypes else torch.float32
     caches = [{} if own else None for own in alone]  # per-example gradients a layer formed for its norm, reused
     calls = list(zip(layers, saved, grads_out, caches, formed, alone, strict=True))
-    rows = [layer.per_example_sq_norms(a, g, cache) if ts is None else formed_sq_norms(ts, acc)
+    rows = [layer.per_example_sq_norms(a, g, cache) if ts is None else formed_sq_norms(ts)
             for layer, a, g, cache, ts, own in calls if own]  # fmt: skip
     sharing = [i for i, own in enumerate(alone) if not own]
     uses = parameter_uses([layers[i] for i in sharing], [saved[i] for i in sharing], [grads_out[i] for i in sharing],
@@ -394,8 +394,7 @@ def clipped_gradient_sum(
     else:  # one group per DP layer
         index = {id(p): i for i, p in enumerate(params)}
         groups = [[index[id(p)] for p in layer.dp_parameters()] for layer in _check_per_layer(model, clip_norm)]
-    sq_norms = torch.stack([sum(per_example[i].reshape(per_example[i].shape[0], -1).pow(2).sum(1) for i in group)
-                            for group in groups])  # fmt: skip
+    sq_norms = torch.stack([sum(summation.sq_norms_up(per_example[i]) for i in group) for group in groups])
     factors = _factors(sq_norms, clip_norm) * (batch.mask.to(sq_norms.dtype) * scale)
     sums = [None] * len(params)
     with exact_fp32():  # TF32/bf16 products would round c_i and the gradients beyond the clip

@@ -37,7 +37,6 @@ from fastdp.nn.ghost import active_context
 from fastdp.nn.layers import (
     DP_LAYERS,
     DPLayer,
-    _acc,
     _as_consumed,
     _clipped_weight_sum,
     _mass,
@@ -232,7 +231,7 @@ class MultiheadAttention(nn.MultiheadAttention, DPLayer):
 
     def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         groups, bias_rows = self._groups(saved, grad_out)
-        total = torch.zeros(grad_out.shape[0], dtype=_acc(grad_out), device=grad_out.device)
+        total = torch.zeros(grad_out.shape[0], dtype=torch.float64, device=grad_out.device)
         for i, (a, g) in enumerate(groups):
             if self._group_weight(i).requires_grad:
                 own = {} if cache is not None else None
@@ -265,7 +264,11 @@ class MultiheadAttention(nn.MultiheadAttention, DPLayer):
             trained = [name for name in _SEPARATE if self._trains_parameter(name)]
             sums.update(zip(trained, weights, strict=True))
         if self._trains_parameter("in_proj_bias"):
-            bias = cache["bias"] if cache and "bias" in cache else torch.cat([g.sum(1) for _, g in groups], 1)
+            bias = (
+                cache["bias"]
+                if cache and "bias" in cache
+                else torch.cat([g.to(torch.float64).sum(1) for _, g in groups], 1)
+            )  # as JL projects it
             sums["in_proj_bias"] = _weighted(factors, bias)
         for j, name in enumerate(("bias_k", "bias_v")):
             if self._trains_parameter(name):

@@ -206,10 +206,10 @@ def clipped_sum(form: Form, factors: torch.Tensor, shape: torch.Size) -> torch.T
     return summation.index_sum(form.idx.reshape(-1), g, form.rows, scale).reshape(shape)
 
 
-def formed_sq_norms(per_example: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
-    """Per-example squared norms [B] in ``acc`` of one layer call's formed per-example gradients (one tensor
+def formed_sq_norms(per_example: list[torch.Tensor]) -> torch.Tensor:
+    """Per-example squared norms [B] (float64, rounded up) of one layer call's formed per-example gradients (one tensor
     ``[B, *shape]`` per parameter): the norm of the very tensors :func:`formed_weighted_sums` sums."""
-    return sum(torch.linalg.vector_norm(_rows(t), dim=1, dtype=acc).square() for t in per_example)
+    return sum(summation.sq_norms_up(t) for t in per_example)
 
 
 def formed_weighted_sums(per_example: list[torch.Tensor], factors: torch.Tensor) -> list[torch.Tensor]:
@@ -272,25 +272,24 @@ def map_tensors(uses: list[SharedParameter], fn) -> list[SharedParameter]:
 
 
 def formed_norm_sq(uses: list[SharedParameter], acc: torch.dtype, budget: int) -> torch.Tensor:
-    """Per-example squared norms [B] in ``acc``, summed over the parameters ``uses`` (:func:`parameter_uses`).
+    """Per-example squared norms [B], float64 and rounded up, summed over the parameters ``uses``
+    (:func:`parameter_uses`).
 
-    Per parameter: its uses' per-example gradients formed and summed where :func:`direct_is_cheaper` and the
-    ``[B, *shape]`` tensor in ``acc`` fits ``budget`` bytes (their norm is that of the very tensor summed; kept in
-    ``per_example`` for :func:`formed_sums`); else :func:`shared_norm_sq`, with each use's summation allowance
-    (``terms u mass``, ``fastdp.nn.layers._clip_sq``; :func:`_summed_terms`) added to the norm, rounded up into
-    ``acc``."""
-    u = torch.finfo(acc).eps / 2
+    Per parameter: its uses' per-example gradients formed in ``acc`` and summed where :func:`direct_is_cheaper` and
+    the ``[B, *shape]`` tensor fits ``budget`` bytes (their norm is that of the very tensor summed; kept in
+    ``per_example`` for :func:`formed_sums`); else :func:`shared_norm_sq`, clipped by the uses' summed mass over
+    ``MASS_RATIO`` too (``fastdp.nn.layers._clip_sq``, ``fastdp.ops.summation``)."""
     total = None
     for use in uses:
         p, forms = use.param, use.forms
         b = forms[0].examples()
         if direct_is_cheaper(forms, p.numel()) and b * p.numel() * torch.finfo(acc).bits // 8 <= budget:
             use.per_example = functools.reduce(torch.add, (dense(f, p.shape, acc) for f in forms))
-            sq = torch.linalg.vector_norm(_rows(use.per_example), dim=1, dtype=acc).square()
+            sq = summation.sq_norms_up(use.per_example)
         else:
             bound, masses = shared_norm_sq(forms, p.shape)
             norm = torch.maximum(bound.sqrt(), masses * (1 / summation.MASS_RATIO) * (1 + 2.0**-52))
-            sq = (norm * norm * (1 + 4 * u)).to(acc)
+            sq = norm * norm * (1 + 4 * torch.finfo(torch.float64).eps)
         total = sq if total is None else total + sq
     return total
 

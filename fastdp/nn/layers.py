@@ -63,8 +63,8 @@ def _as_consumed(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rowsq(t: torch.Tensor) -> torch.Tensor:
-    """Per-example sum of squares of a [B, ...] tensor, in the accumulation dtype."""
-    return torch.linalg.vector_norm(t.reshape(t.shape[0], math.prod(t.shape[1:])), dim=1, dtype=_acc(t)).square()
+    """Per-example sum of squares of a [B, ...] tensor, float64, rounded up (``fastdp.ops.summation.sq_norms_up``)."""
+    return summation.sq_norms_up(t)
 
 
 # The most memory a layer's per-example gradients may take when its norm is computed from them (the direct path);
@@ -96,9 +96,9 @@ def _use_ghost(positions: int, out_features: int, in_features: int) -> bool:
     return positions * (out_features + in_features) < out_features * in_features
 
 
-def _clip_sq(bound_sq: torch.Tensor, mass: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+def _clip_sq(bound_sq: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """The squared norm an example is clipped by when its contribution is summed over its positions (a GEMM or a
-    scatter): ``max(sqrt(bound_sq), mass / MASS_RATIO)^2``, rounded up into ``acc``.
+    scatter): ``max(sqrt(bound_sq), mass / MASS_RATIO)^2``, float64, rounded up.
 
     ``bound_sq`` (float64) bounds the exact squared norm of the example's gradient; ``mass`` (float64) bounds
     ``sum_t |a_t| |g_t|``, the size of the terms the sum adds for it. The sums are float64 with a rounding bound
@@ -106,9 +106,8 @@ def _clip_sq(bound_sq: torch.Tensor, mass: torch.Tensor, acc: torch.dtype) -> to
     MASS_RATIO`` too keeps every example's clipped mass within ``MASS_RATIO C'``, which that bound needs. It binds
     only for an example whose positions cancel at large magnitude (mass over 1024 times its norm; ordinary
     gradients have about sqrt(T))."""
-    u = torch.finfo(acc).eps / 2
     norm = torch.maximum(bound_sq.sqrt(), _mass_allowance(mass))
-    return (norm * norm * (1 + 4 * u)).to(acc)  # 4u up, then one rounding to nearest: never below
+    return norm * norm * (1 + 4 * torch.finfo(torch.float64).eps)
 
 
 def _mass_allowance(mass: torch.Tensor) -> torch.Tensor:
@@ -164,7 +163,7 @@ def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) ->
     b, t, d = a.shape
     p = g.shape[2]
     if _use_ghost(t, p, d) or not _fits(b, p, d, itemsize=g.element_size()):
-        return _clip_sq(*certified_ghost_norm_sq(a, g), _acc(a))
+        return _clip_sq(*certified_ghost_norm_sq(a, g))
     per_example = torch.einsum("btp,btd->bpd", g, a)
     if cache is not None:
         cache["weight"] = per_example
@@ -236,7 +235,7 @@ class Linear(nn.Linear, DPLayer):
 
     def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (a,) = saved
-        total = torch.zeros(a.shape[0], dtype=_acc(a), device=a.device)
+        total = torch.zeros(a.shape[0], dtype=torch.float64, device=a.device)
         a3, g3 = self._flat(a, grad_out)  # [B, T, d], [B, T, p]; T = 1 for 2-D inputs
         g_sq = None  # ||g_i||^2 when T = 1: the bias's squared norm and a factor of the weight's
         if self.bias is not None and self.bias.requires_grad:
@@ -317,7 +316,7 @@ class Linear(nn.Linear, DPLayer):
         elif self.weight.requires_grad:
             sums.append(_clipped_weight_sum(a, grad_out, factors))
         if self.bias is not None and self.bias.requires_grad:
-            bias = cache["bias"] if cache and "bias" in cache else self._flat(a, grad_out)[1].sum(1)
+            bias = cache["bias"] if cache and "bias" in cache else self._flat(a, grad_out)[1].to(torch.float64).sum(1)
             sums.append(_weighted(factors, bias))
         return sums
 
@@ -506,7 +505,7 @@ class _ConvNd(DPLayer):
     def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (x,) = saved
         b = x.shape[0]
-        total = torch.zeros(b, dtype=_acc(x), device=x.device)
+        total = torch.zeros(b, dtype=torch.float64, device=x.device)
         if self.weight.requires_grad and b:
             positions = math.prod(grad_out.shape[2:])
             fan_in = self.weight.shape[1] * math.prod(self.kernel_size)
@@ -514,7 +513,7 @@ class _ConvNd(DPLayer):
                 b, self.out_channels, fan_in, itemsize=x.element_size()
             ):
                 bound, mass = self._ghost_bound(x, grad_out)  # per example and group: the groups' blocks add
-                total += _clip_sq(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1), _acc(x))
+                total += _clip_sq(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1))
             else:
                 chunks = self._per_example_weight_chunks(x, grad_out)
                 if cache is not None:
@@ -566,7 +565,7 @@ class _ConvNd(DPLayer):
         elif self.weight.requires_grad:
             sums.append(self._clipped_weight_sum(x, grad_out, factors))
         if self.bias is not None and self.bias.requires_grad:
-            bias = cache["bias"] if cache and "bias" in cache else grad_out.flatten(2).sum(2)
+            bias = cache["bias"] if cache and "bias" in cache else grad_out.flatten(2).to(torch.float64).sum(2)
             sums.append(_weighted(factors, bias))
         return sums
 
@@ -635,7 +634,7 @@ class Embedding(nn.Embedding, DPLayer):
     def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         (idx,) = saved
         if not self.weight.requires_grad:
-            return torch.zeros(idx.shape[0], dtype=_acc(grad_out), device=idx.device)
+            return torch.zeros(idx.shape[0], dtype=torch.float64, device=idx.device)
         idx, g = self._tokens(idx, grad_out)
         b, t, dim = g.shape
         if _embedding_direct(b, t, self.num_embeddings, dim, g.element_size()):
@@ -645,7 +644,7 @@ class Embedding(nn.Embedding, DPLayer):
             if cache is not None:
                 cache["weight"] = per_example
             return _rowsq(per_example)
-        return _clip_sq(*certified_token_match_norm_sq(idx, g), _acc(grad_out))  # float64, rounding bounded
+        return _clip_sq(*certified_token_match_norm_sq(idx, g))  # float64, rounding bounded
 
     def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:
         """The rows of G scattered by token id (``fastdp.nn.forms``: the weight shared with other layer calls, e.g. a
@@ -727,7 +726,7 @@ class _AffineNorm(DPLayer):
         grads = self._per_example(saved, grad_out)
         if cache is not None:
             cache["affine"] = grads
-        return sum((_rowsq(g) for g in grads), torch.zeros(grad_out.shape[0], dtype=_acc(grad_out),
+        return sum((_rowsq(g) for g in grads), torch.zeros(grad_out.shape[0], dtype=torch.float64,
                                                              device=grad_out.device))  # fmt: skip
 
     def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:

@@ -58,7 +58,6 @@ from fastdp.nn.ghost import active_context
 from fastdp.nn.layers import (
     DP_LAYERS,
     DPLayer,
-    _acc,
     _clipped_weight_sum,
     _mass,
     _projections,
@@ -609,7 +608,7 @@ class _Recurrent(DPLayer):
 
     def per_example_sq_norms(self, saved, grad_out: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         weights, biases = self._linears(saved, grad_out)
-        total = torch.zeros(grad_out.shape[0], dtype=_acc(grad_out), device=grad_out.device)
+        total = torch.zeros(grad_out.shape[0], dtype=torch.float64, device=grad_out.device)
         for j, (_, parts, g) in enumerate(weights):
             kept = None if cache is None else {}
             total += _sequence_weight_sq(torch.cat(parts, 2) if len(parts) > 1 else parts[0], g, kept)
@@ -638,7 +637,8 @@ class _Recurrent(DPLayer):
                 for name, part in zip(names, total.split([p.shape[-1] for p in parts], 1), strict=True):
                     sums[name] = part.contiguous()
         for j, (names, g) in enumerate(biases):
-            total = _weighted(factors, cache[f"bias{j}"] if cache and f"bias{j}" in cache else g.sum(1))
+            bias = cache[f"bias{j}"] if cache and f"bias{j}" in cache else g.to(torch.float64).sum(1)  # as JL projects
+            total = _weighted(factors, bias)
             for n, name in enumerate(names):
                 sums[name] = total if n == 0 else total.clone()  # each parameter its own gradient tensor
         return [sums[name] for name in self._dp_names()]

@@ -66,6 +66,32 @@ def clip_bound(clip_norm: float, num_examples: int, world_size: int = 1) -> floa
     return math.nextafter(clip_norm / (1 + slack) * (1 - 2.0**-50), 0.0)
 
 
+ROW_BLOCK = 64  # entries per float32 partial sum of a squared row norm (sq_norms_up)
+
+
+def sq_norms_up(t: torch.Tensor) -> torch.Tensor:
+    """Per-example squared norms of ``t`` [B, ...], float64, never below the exact ones: the rows in blocks of
+    :data:`ROW_BLOCK` entries normed in float32 (float64 for float64 rows; each block within ``gamma_{65}`` of
+    exact whatever the order), the blocks' squares added in float64, the whole rounded up by those bounds. A float32
+    norm of a whole row can underestimate by ``gamma_n`` (0.07 % at 10^6 aligned entries, measured): a clip factor
+    from it would let the example exceed its bound."""
+    b = t.shape[0]
+    n = math.prod(t.shape[1:])
+    flat = t.reshape(b, n)
+    if flat.dtype == _F64:
+        return torch.linalg.vector_norm(flat, dim=1).square() * (1 + rounding_gamma(n + 4, _F64))
+    whole = n - n % ROW_BLOCK
+    total = torch.zeros(b, dtype=_F64, device=t.device)
+    if whole:
+        blocks = flat[:, :whole].unflatten(1, (whole // ROW_BLOCK, ROW_BLOCK))
+        total += torch.linalg.vector_norm(blocks, dim=2, dtype=torch.float32).to(_F64).square().sum(1)
+    if whole < n:
+        total += torch.linalg.vector_norm(flat[:, whole:], dim=1, dtype=torch.float32).to(_F64).square()
+    u32 = torch.finfo(torch.float32).eps / 2
+    up = (1 + u32) ** 2 / (1 - rounding_gamma(ROW_BLOCK + 1, torch.float32)) * (1 + rounding_gamma(n + 4, _F64))
+    return total * up
+
+
 def world_size() -> int:
     """Processes of the default ``torch.distributed`` group (1 when not initialised)."""
     dist = torch.distributed
