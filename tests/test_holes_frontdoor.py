@@ -620,14 +620,28 @@ def fastdp_check_backprop(model):
 def test_the_fp32_rounding_of_a_large_batch_sum_stays_within_the_bound():
     """8192 near-identical examples whose clipped gradients align (|sum| ~ 8000 C) and a target: the release moved by
     1.31 C when the target was removed (second pass of the review, fp32 sums, no autocast), the exact change being
-    1.00 C. Now the sums are float64 with a bounded rounding (``fastdp.ops.summation``, tests/test_summation.py);
-    here, without noise, the cast of the sum to float32 (after the noise: post-processing) is measured too."""
+    1.00 C. Now the sums are float64 with a bounded rounding (``fastdp.ops.summation``, tests/test_summation.py).
+
+    Leave-one-out at a fixed data set size N (the public constants: qN and C' = C / (1 + s(N))), on the float64 sums
+    before the noise: at most C. Through the front door the two data sets differ in N, which changes those
+    constants (by s / N relative, times |sum| ~ 8000 C: ~4e-6 C), and without noise the final cast to float32 is not
+    post-processing (~1e-4 C here): within 1e-3 C, against 0.31 C before."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     b = 8192
     x = (torch.randn(1, 16) + 1e-3 * torch.randn(b, 16)) * 1e-3
     y = torch.zeros(b, dtype=torch.long)
     x[0], y[0] = torch.randn(16) * 3e-3, 3
+
+    def sums(mask):
+        variant = make_variant("dpsgd", b, b)  # q = 1, N = b for both
+        variant.noise_multiplier = 0.0
+        out, _ = variant.clipped_sum(copy.deepcopy(base), Batch(x, y, mask), 0)
+        return torch.cat([s.reshape(-1) for s in out]) * variant.expected_batch_size
+
+    without = torch.ones(b, dtype=torch.bool)
+    without[0] = False
+    assert (sums(torch.ones(b, dtype=torch.bool)) - sums(without)).norm().item() <= 1.0
 
     def release(xs, ys):
         model = copy.deepcopy(base)
@@ -638,7 +652,7 @@ def test_the_fp32_rounding_of_a_large_batch_sum_stays_within_the_bound():
         optimizer.step()
         return torch.cat([p.grad.reshape(-1).double() for p in model.parameters()])
 
-    assert (release(x, y) - release(x[1:], y[1:])).norm().item() <= 1.0 + 1e-6
+    assert (release(x, y) - release(x[1:], y[1:])).norm().item() <= 1.0 + 1e-3
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
