@@ -20,12 +20,14 @@ Rounding (privacy review, issue 14). The accountant (``fastdp.privacy.jl``) need
 at most ``C Z`` with ``Z = ||g|| / M(g)``, M the projection estimate *of the very vector summed*. When the jvp's and
 the backward's roundings differ, an example whose positions cancel at large magnitude (its true gradient tiny against
 ``u sum_t |a_t| |g_t|``) had an estimate of one rounding and a contribution of another: 1.44 x the bound at 1e7 in
-fp32. Now both come from the same A and G, and what rounding remains is bounded per example: ``err_i`` bounds the
-float64 projections' error, and ``E_i`` (the layers' ``allowance``) how far the fp32 clipped sum moves from
-``w_i g_i`` per unit weight. With ``w_i = min(1, C / ((M_i + err_i + K E_i + 1e-6) (1 + 4u)))`` and
-``K = 1 / z_floor`` (``fastdp.privacy.jl.jl_z_floor``: the smallest Z the accountant credits, 0.46 for r = 10), the
-contribution ``w_i (g_i + e_i)``, ``|e_i| <= E_i``, has norm at most ``C (Z M + E) / (M + K E) <= C max(Z, z_floor)``,
-which the accountant accounts. For an ordinary example ``E_i`` is about ``T^1.5 u`` of its norm (3e-5 at T = 64).
+fp32. Now both come from the same A and G: ``err_i`` bounds the float64 projections' error, and the sum is float64
+with its rounding inside the clip bound ``C' = C / (1 + s)`` (``fastdp.ops.summation``), given each example's
+clipped mass within ``MASS_RATIO C'``: the layers' ``allowance`` is ``E_i = mass_i / MASS_RATIO``, and
+``w_i = min(1, C' / (max(M_i + err_i + 1e-6, K E_i) (1 + 4u)))`` with ``K = 1 / z_floor``
+(``fastdp.privacy.jl.jl_z_floor``: the smallest Z the accountant credits, 0.46 for r = 10). The contribution
+``w_i g_i`` has norm at most ``C' Z``, and with the sum's rounding one example moves the release by at most
+``C max(Z, z_floor)``, which the accountant accounts. The bias's sums over positions are float64, the vectors
+projected.
 
 Tangents come from fastdp's counter-based noise stream (4-draw sums, like the noise) under a key of their own:
 by default one OS-entropy key per step, drawn the first time the step is seen and kept until its release, so every
