@@ -205,8 +205,11 @@ class DPOptimizer(Optimizer):
         known = [t for r in records for t in ([r.grad] if r.grad is not None else r.formed or [])]
         device = known[0].device if known else torch.device("cpu")
         run = GhostBackward.of_records(params, records, torch.zeros(n, device=device))
-        # "mean": G holds 1/n of each example's loss gradient; the variant folds n back in (no copy of G)
-        loss_scale = 1.0 / n if self.loss_reduction == "mean" and n else 1.0
+        # "mean": G holds 1/n of each example's loss gradient, as the backward's dtype rounds it (torch's mean backward
+        # divides in that dtype); the variant divides by exactly that value (no copy of G): with 1.0 / n instead, every
+        # example was scaled by fl(1/n) n != 1, a factor that changes with n (1.03 C at 262081 aligned examples)
+        dtype = known[0].dtype if known and known[0].is_floating_point() else torch.float32
+        loss_scale = float(torch.ones((), dtype=dtype) / n) if self.loss_reduction == "mean" and n else 1.0
         sums, _ = self.variant.sums_of_backward(model, run, torch.ones(n, dtype=torch.bool, device=device),
                                                 self.steps_taken, loss_scale)  # fmt: skip
         del run

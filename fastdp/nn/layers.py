@@ -244,8 +244,9 @@ class Linear(nn.Linear, DPLayer):
                 cache["bias"] = bias
             g_sq = _rowsq(bias)
             total += g_sq
-        if self.weight.requires_grad and g3.shape[1] == 1:
-            total += _rowsq(a3) * (_rowsq(g3) if g_sq is None else g_sq)
+        if self.weight.requires_grad and g3.shape[1] == 1:  # |a|^2 |g|^2; 0 where g = 0, also for |a|^2 = inf
+            g_sq = _rowsq(g3) if g_sq is None else g_sq
+            total += torch.where(g_sq == 0, 0.0, _rowsq(a3) * g_sq)
         elif self.weight.requires_grad:
             total += _sequence_weight_sq(a3, g3, cache)
         return total

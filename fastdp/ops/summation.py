@@ -72,14 +72,16 @@ ROW_BLOCK = 64  # entries per float32 partial sum of a squared row norm (sq_norm
 def sq_norms_up(t: torch.Tensor) -> torch.Tensor:
     """Per-example squared norms of ``t`` [B, ...], float64, never below the exact ones: the rows in blocks of
     :data:`ROW_BLOCK` entries normed in float32 (float64 for float64 rows; each block within ``gamma_{65}`` of
-    exact whatever the order), the blocks' squares added in float64, the whole rounded up by those bounds. A float32
-    norm of a whole row can underestimate by ``gamma_n`` (0.07 % at 10^6 aligned entries, measured): a clip factor
-    from it would let the example exceed its bound."""
+    exact whatever the order), the blocks' squares added in float64, the whole rounded up by those bounds, plus
+    ``n 2^-125`` for the squares that fall below float32's normal range (each lost square is below 2^-126: entries
+    of 2e-23 square to 0 in float32, which gave a norm of 0 and 4.1 C through a Linear with a huge output gradient).
+    A float32 norm of a whole row can underestimate by ``gamma_n`` (0.07 % at 10^6 aligned entries, measured): a clip
+    factor from it would let the example exceed its bound."""
     b = t.shape[0]
     n = math.prod(t.shape[1:])
     flat = t.reshape(b, n)
     if flat.dtype == _F64:
-        return torch.linalg.vector_norm(flat, dim=1).square() * (1 + rounding_gamma(n + 4, _F64))
+        return torch.linalg.vector_norm(flat, dim=1).square() * (1 + rounding_gamma(n + 4, _F64)) + n * 2.0**-1021
     whole = n - n % ROW_BLOCK
     total = torch.zeros(b, dtype=_F64, device=t.device)
     if whole:
@@ -89,7 +91,7 @@ def sq_norms_up(t: torch.Tensor) -> torch.Tensor:
         total += torch.linalg.vector_norm(flat[:, whole:], dim=1, dtype=torch.float32).to(_F64).square()
     u32 = torch.finfo(torch.float32).eps / 2
     up = (1 + u32) ** 2 / (1 - rounding_gamma(ROW_BLOCK + 1, torch.float32)) * (1 + rounding_gamma(n + 4, _F64))
-    return total * up
+    return total * up + n * 2.0**-125  # inf where a block's squares exceed float32 (entries over ~1.8e19)
 
 
 def world_size() -> int:
