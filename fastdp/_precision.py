@@ -1,7 +1,9 @@
-"""IEEE float32 for the clipped sums, whatever the user's TF32 / bfloat16 settings.
+"""IEEE float32 for the products a bound is taken of, whatever the user's TF32 / bfloat16 settings.
 
-A clipped sum's bound (``fastdp.nn.layers._clip_sq``) allows for float32 rounding of the sum: ``positions u mass``
-with u = 2^-24. PyTorch can run float32 matrix products and convolutions with fewer mantissa bits:
+DP-SGD's and DP-SGD-JL's clipped sums are float64 (``fastdp.ops.summation``, unaffected by these settings); the
+float32 products left inside their step (per-example gradients formed for their norm) and the Lipschitz variants'
+and backprop clipping's steps, whose bounds allow for IEEE float32 rounding, run under :func:`exact_fp32`. PyTorch
+can run float32 matrix products and convolutions with fewer mantissa bits:
 
 - ``torch.set_float32_matmul_precision("high" / "medium")`` (TF32 on CUDA, TF32 or bfloat16 passes in oneDNN);
 - ``torch.backends.cudnn.allow_tf32``, **True by default**: every float32 cuDNN convolution in TF32 (10 bits);
@@ -10,7 +12,7 @@ with u = 2^-24. PyTorch can run float32 matrix products and convolutions with fe
 
 Each input of such a product is rounded to 2^-11 (TF32) or 2^-8 (bfloat16) of itself, so an example whose terms
 cancel at large magnitude (``mass`` far above its norm) moves the sum by about ``2^-11 mass``: far beyond its bound.
-:func:`exact_fp32` runs the clipped sums with all of these at IEEE float32 and puts the user's settings back
+:func:`exact_fp32` runs those steps with all of these at IEEE float32 and puts the user's settings back
 afterwards; the forward and backward keep the user's settings (their rounding changes A and G, whose norms are
 taken as they are).
 

@@ -527,7 +527,7 @@ def _add_noise(sums: list[torch.Tensor], stds: list[float], keys: PrivacyKeys, s
         return
     seed, offset = keys.noise_key(step)  # here, eagerly: a graph never captures a key
     wide = [s.dtype == torch.float64 for s in sums]
-    if not any(wide) or all(s.dtype == torch.float64 and s.numel() == 0 for s in sums):
+    if not any(wide):
         add_noise_(sums, stds, seed=seed, offset=offset, num_draws=NOISE_DRAWS)
         return
     # float64 sums (fastdp.ops.summation): the noise drawn by the float32 kernel into float32 buffers (in place, the

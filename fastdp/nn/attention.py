@@ -43,8 +43,8 @@ from fastdp.nn.layers import (
     _projections,
     _rowsq,
     _sequence_weight_sq,
-    _weighted,
 )
+from fastdp.ops import summation
 
 __all__ = ["MultiheadAttention"]
 
@@ -256,7 +256,7 @@ class MultiheadAttention(nn.MultiheadAttention, DPLayer):
         for i, (a, g) in enumerate(groups):
             if self._group_weight(i).requires_grad:
                 key = f"weight{i}"
-                weights.append(_weighted(factors, cache[key]) if cache and key in cache
+                weights.append(summation.weighted_sum(factors, cache[key]) if cache and key in cache
                                else _clipped_weight_sum(a, g, factors))  # fmt: skip
         if weights and self._qkv_same_embed_dim:
             sums["in_proj_weight"] = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
@@ -269,10 +269,10 @@ class MultiheadAttention(nn.MultiheadAttention, DPLayer):
                 if cache and "bias" in cache
                 else torch.cat([g.to(torch.float64).sum(1) for _, g in groups], 1)
             )  # as JL projects it
-            sums["in_proj_bias"] = _weighted(factors, bias)
+            sums["in_proj_bias"] = summation.weighted_sum(factors, bias)
         for j, name in enumerate(("bias_k", "bias_v")):
             if self._trains_parameter(name):
-                sums[name] = _weighted(factors, bias_rows[:, j]).view(1, 1, -1)
+                sums[name] = summation.weighted_sum(factors, bias_rows[:, j]).view(1, 1, -1)
         return [sums[name] for name in self._trainable_names()]
 
     def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:

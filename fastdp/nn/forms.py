@@ -278,7 +278,7 @@ def formed_norm_sq(uses: list[SharedParameter], acc: torch.dtype, budget: int) -
     Per parameter: its uses' per-example gradients formed in ``acc`` and summed where :func:`direct_is_cheaper` and
     the ``[B, *shape]`` tensor fits ``budget`` bytes (their norm is that of the very tensor summed; kept in
     ``per_example`` for :func:`formed_sums`); else :func:`shared_norm_sq`, clipped by the uses' summed mass over
-    ``MASS_RATIO`` too (``fastdp.nn.layers._clip_sq``, ``fastdp.ops.summation``)."""
+    ``MASS_RATIO`` too (``fastdp.ops.summation.clip_sq_up``)."""
     total = None
     for use in uses:
         p, forms = use.param, use.forms
@@ -288,8 +288,7 @@ def formed_norm_sq(uses: list[SharedParameter], acc: torch.dtype, budget: int) -
             sq = summation.sq_norms_up(use.per_example)
         else:
             bound, masses = shared_norm_sq(forms, p.shape)
-            norm = torch.maximum(bound.sqrt(), masses * (1 / summation.MASS_RATIO) * (1 + 2.0**-52))
-            sq = norm * norm * (1 + 4 * torch.finfo(torch.float64).eps)
+            sq = summation.clip_sq_up(bound, masses)
         total = sq if total is None else total + sq
     return total
 

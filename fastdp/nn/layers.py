@@ -42,7 +42,6 @@ from fastdp.ops import (
     rounding_gamma,
     summation,
 )
-from fastdp.ops.summation import MASS_RATIO
 
 PROJECTION_CHUNK_ELEMENTS = 1 << 24  # float64 entries a JL projection forms at a time (128 MiB)
 
@@ -96,26 +95,6 @@ def _use_ghost(positions: int, out_features: int, in_features: int) -> bool:
     return positions * (out_features + in_features) < out_features * in_features
 
 
-def _clip_sq(bound_sq: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-    """The squared norm an example is clipped by when its contribution is summed over its positions (a GEMM or a
-    scatter): ``max(sqrt(bound_sq), mass / MASS_RATIO)^2``, float64, rounded up.
-
-    ``bound_sq`` (float64) bounds the exact squared norm of the example's gradient; ``mass`` (float64) bounds
-    ``sum_t |a_t| |g_t|``, the size of the terms the sum adds for it. The sums are float64 with a rounding bound
-    proportional to the clipped masses of the whole batch (``fastdp.ops.summation``): clipping by ``mass /
-    MASS_RATIO`` too keeps every example's clipped mass within ``MASS_RATIO C'``, which that bound needs. It binds
-    only for an example whose positions cancel at large magnitude (mass over 1024 times its norm; ordinary
-    gradients have about sqrt(T))."""
-    norm = torch.maximum(bound_sq.sqrt(), _mass_allowance(mass))
-    return norm * norm * (1 + 4 * torch.finfo(torch.float64).eps)
-
-
-def _mass_allowance(mass: torch.Tensor) -> torch.Tensor:
-    """``mass / MASS_RATIO`` (float64, rounded up): the norm an example of terms of total size ``mass`` is clipped
-    by at least (:func:`_clip_sq`; DP-SGD-JL's ``allowance``)."""
-    return mass * (1 / MASS_RATIO) * (1 + 2.0**-52)
-
-
 def _mass(a: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     """``sum_t |a_t| |g_t|`` per example (``|a_t| = 1`` when ``a`` is None, a bias), float64 [B, T, *] inputs, rounded
     up: it bounds the Frobenius norm of the absolute terms of the example's gradient ``sum_t a_t g_t^T``."""
@@ -152,18 +131,18 @@ def _projections(
             proj, e = certified_projections(per_example.reshape(per_example.shape[0], -1), v, mass, positions)
             p[part] += proj
             err[part] += e
-            allowance[part] += _mass_allowance(mass)
+            allowance[part] += summation.mass_allowance(mass)
     return p, err, allowance
 
 
 def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) -> torch.Tensor:
     """Squared norm to clip ||a_i^T g_i||_F by, for a [B, T, d], g [B, T, p]: a certified ghost norm (float64 Grams
-    with a rounding bound, :func:`_clip_sq`), or the per-example gradient [B, p, d] (kept in ``cache["weight"]``;
-    its norm is that of the very tensor summed) when that is smaller."""
+    with a rounding bound, ``fastdp.ops.summation.clip_sq_up``), or the per-example gradient [B, p, d] (kept in
+    ``cache["weight"]``; its norm is that of the very tensor summed) when that is smaller."""
     b, t, d = a.shape
     p = g.shape[2]
     if _use_ghost(t, p, d) or not _fits(b, p, d, itemsize=g.element_size()):
-        return _clip_sq(*certified_ghost_norm_sq(a, g))
+        return summation.clip_sq_up(*certified_ghost_norm_sq(a, g))
     per_example = torch.einsum("btp,btd->bpd", g, a)
     if cache is not None:
         cache["weight"] = per_example
@@ -181,16 +160,12 @@ def _clipped_weight_sum(a: torch.Tensor, grad_out: torch.Tensor, factors: torch.
     return summation.outer_sum(rows_g, rows_a, left_scale=scale)
 
 
-def _weighted(factors: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor:
-    """sum_i c_i x_i for x [B, ...], float64 (``fastdp.ops.summation.weighted_sum``)."""
-    return summation.weighted_sum(factors, per_example)
-
-
 def _weighted_blocks(factors: torch.Tensor, blocks) -> torch.Tensor:
-    """:func:`_weighted` of per-example tensors kept as blocks of consecutive examples ([m, ...] each, in order)."""
+    """``summation.weighted_sum`` of per-example tensors kept as blocks of consecutive examples ([m, ...] each, in
+    order)."""
     parts, start = [], 0
     for block in blocks:
-        parts.append(_weighted(factors[start : start + block.shape[0]], block))
+        parts.append(summation.weighted_sum(factors[start : start + block.shape[0]], block))
         start += block.shape[0]
     return summation.add_all(parts)
 
@@ -276,14 +251,14 @@ class Linear(nn.Linear, DPLayer):
             1 + rounding_gamma(p * d + 2, torch.float64)
         )
         err = rounding_gamma(p + d + 2, torch.float64) * v_norm * mass
-        allowance = _mass_allowance(mass)
+        allowance = summation.mass_allowance(mass)
         if self.bias is not None and self.bias.requires_grad:
             bias_mass = _mass(None, g2.unsqueeze(1))
             bias, bias_err = certified_projections(g2, tangents[1].reshape(r, -1), bias_mass, 1)
             proj, err, allowance = (
                 proj + bias,
                 err + bias_err,
-                allowance + _mass_allowance(bias_mass),
+                allowance + summation.mass_allowance(bias_mass),
             )
         return proj, err, allowance
 
@@ -313,12 +288,12 @@ class Linear(nn.Linear, DPLayer):
         (a,) = saved
         sums = []
         if self.weight.requires_grad and cache and "weight" in cache:
-            sums.append(_weighted(factors, cache["weight"]))
+            sums.append(summation.weighted_sum(factors, cache["weight"]))
         elif self.weight.requires_grad:
             sums.append(_clipped_weight_sum(a, grad_out, factors))
         if self.bias is not None and self.bias.requires_grad:
             bias = cache["bias"] if cache and "bias" in cache else self._flat(a, grad_out)[1].to(torch.float64).sum(1)
-            sums.append(_weighted(factors, bias))
+            sums.append(summation.weighted_sum(factors, bias))
         return sums
 
 
@@ -514,7 +489,7 @@ class _ConvNd(DPLayer):
                 b, self.out_channels, fan_in, itemsize=x.element_size()
             ):
                 bound, mass = self._ghost_bound(x, grad_out)  # per example and group: the groups' blocks add
-                total += _clip_sq(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1))
+                total += summation.clip_sq_up(bound.reshape(b, self.groups).sum(1), mass.reshape(b, self.groups).sum(1))
             else:
                 chunks = self._per_example_weight_chunks(x, grad_out)
                 if cache is not None:
@@ -567,7 +542,7 @@ class _ConvNd(DPLayer):
             sums.append(self._clipped_weight_sum(x, grad_out, factors))
         if self.bias is not None and self.bias.requires_grad:
             bias = cache["bias"] if cache and "bias" in cache else grad_out.flatten(2).to(torch.float64).sum(2)
-            sums.append(_weighted(factors, bias))
+            sums.append(summation.weighted_sum(factors, bias))
         return sums
 
 
@@ -645,7 +620,7 @@ class Embedding(nn.Embedding, DPLayer):
             if cache is not None:
                 cache["weight"] = per_example
             return _rowsq(per_example)
-        return _clip_sq(*certified_token_match_norm_sq(idx, g))  # float64, rounding bounded
+        return summation.clip_sq_up(*certified_token_match_norm_sq(idx, g))  # float64, rounding bounded
 
     def per_example_forms(self, saved, grad_out: torch.Tensor) -> list[Form]:
         """The rows of G scattered by token id (``fastdp.nn.forms``: the weight shared with other layer calls, e.g. a
@@ -676,7 +651,7 @@ class Embedding(nn.Embedding, DPLayer):
             1 + rounding_gamma(v[0].numel() + 2, torch.float64)
         )
         err = rounding_gamma(t + dim + 2, torch.float64) * v_norm * mass
-        return p, err, _mass_allowance(mass)
+        return p, err, summation.mass_allowance(mass)
 
     def clipped_grad_sums(
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
@@ -685,7 +660,7 @@ class Embedding(nn.Embedding, DPLayer):
         if not self.weight.requires_grad:
             return []
         if cache and "weight" in cache:
-            return [_weighted(factors, cache["weight"])]
+            return [summation.weighted_sum(factors, cache["weight"])]
         idx, g = self._tokens(idx, grad_out)
         scale = factors.repeat_interleave(idx.shape[1])
         return [summation.index_sum(idx.reshape(-1), g.reshape(-1, g.shape[-1]), self.num_embeddings, scale)]
@@ -753,7 +728,7 @@ class _AffineNorm(DPLayer):
         self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
     ) -> list[torch.Tensor]:
         grads = cache["affine"] if cache and "affine" in cache else self._per_example(saved, grad_out)
-        return [_weighted(factors, g) for g in grads]
+        return [summation.weighted_sum(factors, g) for g in grads]
 
 
 class LayerNorm(_AffineNorm, nn.LayerNorm):

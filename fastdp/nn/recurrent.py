@@ -63,8 +63,8 @@ from fastdp.nn.layers import (
     _projections,
     _rowsq,
     _sequence_weight_sq,
-    _weighted,
 )
+from fastdp.ops import summation
 
 __all__ = ["GRU", "LSTM", "RNN"]
 
@@ -628,7 +628,7 @@ class _Recurrent(DPLayer):
         sums = {}
         for j, (names, parts, g) in enumerate(weights):
             if cache and f"weight{j}" in cache:
-                total = _weighted(factors, cache[f"weight{j}"])
+                total = summation.weighted_sum(factors, cache[f"weight{j}"])
             else:
                 total = _clipped_weight_sum(torch.cat(parts, 2) if len(parts) > 1 else parts[0], g, factors)
             if len(parts) == 1:
@@ -638,7 +638,7 @@ class _Recurrent(DPLayer):
                     sums[name] = part.contiguous()
         for j, (names, g) in enumerate(biases):
             bias = cache[f"bias{j}"] if cache and f"bias{j}" in cache else g.to(torch.float64).sum(1)  # as JL projects
-            total = _weighted(factors, bias)
+            total = summation.weighted_sum(factors, bias)
             for n, name in enumerate(names):
                 sums[name] = total if n == 0 else total.clone()  # each parameter its own gradient tensor
         return [sums[name] for name in self._dp_names()]

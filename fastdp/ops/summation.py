@@ -19,7 +19,7 @@ Per entry of a parameter's sum, the computed value is therefore within ``gamma_K
 with ``K = SUM_CHUNK_ROWS + 64 + W`` (:func:`rounding_terms`; 64 covers the levels above with room). The terms of
 example i have absolute size (Frobenius norm of the entrywise absolute values) at most ``c_i mass_i``, its *clipped
 mass* (``fastdp.nn.forms.mass``: ``sum_t |a_t| |g_t|``, which exceeds the norm of the gradient when its positions
-cancel). The clip rule (``fastdp.nn.layers._clip_sq``) keeps ``c_i mass_i <= MASS_RATIO C'`` besides
+cancel). The clip rule (:func:`clip_sq_up`) keeps ``c_i mass_i <= MASS_RATIO C'`` besides
 ``c_i ||g_i|| <= C'``, so for a batch of B <= N examples (N: the data set's size, which bounds every Poisson batch)
 
     ||computed(D) - computed(D')|| <= C' + 2 gamma_K N MASS_RATIO C' = C' (1 + s),
@@ -40,8 +40,9 @@ import torch
 from fastdp.ref.norms import rounding_gamma
 
 SUM_CHUNK_ROWS = 2048  # rows (examples x positions) per float64 GEMM / scatter of a clipped sum
-MASS_RATIO = 1024.0  # c_i mass_i <= MASS_RATIO C' for every example (``fastdp.nn.layers._clip_sq``)
+MASS_RATIO = 1024.0  # c_i mass_i <= MASS_RATIO C' for every example (clip_sq_up)
 MAX_PARTS = 2**24  # additions one CompensatedSum takes (its bound needs n^2 u^2 << u)
+ROW_BLOCK = 64  # entries per float32 partial sum of a squared row norm (sq_norms_up)
 _F64 = torch.float64
 
 
@@ -64,9 +65,6 @@ def clip_bound(clip_norm: float, num_examples: int, world_size: int = 1) -> floa
     (module docstring)."""
     slack = sensitivity_slack(num_examples, world_size)
     return math.nextafter(clip_norm / (1 + slack) * (1 - 2.0**-50), 0.0)
-
-
-ROW_BLOCK = 64  # entries per float32 partial sum of a squared row norm (sq_norms_up)
 
 
 def sq_norms_up(t: torch.Tensor) -> torch.Tensor:
@@ -100,6 +98,31 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def mass_allowance(mass: torch.Tensor) -> torch.Tensor:
+    """``mass / MASS_RATIO`` (float64, rounded up): the norm an example whose terms have total size ``mass`` is clipped
+    by at least (:func:`clip_sq_up`; DP-SGD-JL's ``allowance``)."""
+    return mass * (1 / MASS_RATIO) * (1 + 2.0**-52)
+
+
+def clip_sq_up(bound_sq: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """The squared norm an example is clipped by when its contribution is summed over its positions (a GEMM or a
+    scatter): ``max(sqrt(bound_sq), mass / MASS_RATIO)^2``, float64, rounded up. ``bound_sq`` bounds the exact
+    squared norm of its gradient, ``mass`` the size of the terms the sum adds for it (``sum_t |a_t| |g_t|``): the
+    mass term keeps every example's clipped mass within ``MASS_RATIO C'``, which the sums' rounding bound needs
+    (module docstring). It binds only where positions cancel at large magnitude (mass over 1024 times the norm;
+    ordinary gradients have about sqrt(T))."""
+    norm = torch.maximum(bound_sq.sqrt(), mass_allowance(mass))
+    return norm * norm * (1 + 4 * torch.finfo(_F64).eps)
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, err) with s = fl(a + b) and s + err == a + b exactly (Knuth's TwoSum, six float64 operations, each a
+    separate eager op: nothing fused or reassociated)."""
+    s = a + b
+    back = s - a
+    return s, (a - (s - back)).add_(b - back)
+
+
 class CompensatedSum:
     """A running float64 sum ``hi + lo`` of tensors of one shape: each addition's rounding error is computed exactly
     (TwoSum, six float64 operations, each a separate eager op: nothing fused or reassociated) and accumulated in
@@ -120,11 +143,8 @@ class CompensatedSum:
         if self.hi is None:
             self.hi = x
             return self
-        s = self.hi + x
-        back = s - self.hi
-        err = (self.hi - (s - back)).add_(x - back)  # exact: s + err == hi + x
+        self.hi, err = _two_sum(self.hi, x)
         self.lo = err if self.lo is None else self.lo.add_(err)
-        self.hi = s
         return self
 
     def value(self) -> torch.Tensor | None:
@@ -156,11 +176,12 @@ def outer_sum(
     total = CompensatedSum()
     for start in range(0, max(n, 1), SUM_CHUNK_ROWS):
         part = slice(start, start + SUM_CHUNK_ROWS)
-        lhs, rhs = left[part].to(_F64), right[part].to(_F64)
+        lhs = left[part].to(_F64, copy=left_scale is not None)  # the copy scaled in place
+        rhs = right[part].to(_F64, copy=right_scale is not None)
         if left_scale is not None:
-            lhs = lhs * left_scale[part].to(_F64).unsqueeze(1)
+            lhs.mul_(left_scale[part].to(_F64).unsqueeze(1))
         if right_scale is not None:
-            rhs = rhs * right_scale[part].to(_F64).unsqueeze(1)
+            rhs.mul_(right_scale[part].to(_F64).unsqueeze(1))
         total.add_(lhs.t() @ rhs)
     return total.value()
 
@@ -194,10 +215,6 @@ def index_sum(idx: torch.Tensor, rows: torch.Tensor, num_rows: int, scale: torch
             values = values * scale[part].to(_F64).unsqueeze(1)
         ids, where = torch.unique(idx[part], return_inverse=True)
         chunk = torch.zeros(ids.shape[0], n, dtype=_F64, device=rows.device).index_add_(0, where, values)
-        old = hi[ids]
-        s = old + chunk
-        back = s - old
-        err = (old - (s - back)).add_(chunk - back)
-        hi[ids] = s
+        hi[ids], err = _two_sum(hi[ids], chunk)
         lo[ids] += err
     return hi.add_(lo)
