@@ -55,7 +55,7 @@ _SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight")  # the in-projec
 
 def _forward_mode_ad() -> bool:
     """Whether forward-mode AD is on (a ``torch.autograd.forward_ad.dual_level``; ``torch.func.jvp`` opens one too):
-    CPU's fused ``scaled_dot_product_attention`` has no forward derivative (torch 2.13: NotImplementedError for
+    CPU's fused ``scaled_dot_product_attention`` has no forward derivative (torch 2.13 raises for
     ``_scaled_dot_product_flash_attention_for_cpu``), so the step then takes the math formulation."""
     return torch.autograd.forward_ad._current_level >= 0
 
