@@ -118,7 +118,8 @@ def test_every_layer_input_is_clipped_to_c1_in_the_forward(kind, monkeypatch):
         assert inp.reshape(inp.shape[0], -1).norm(dim=1).max() <= 0.25 * (1 + 1e-6)
 
 
-def test_zero_noise_and_loose_clips_is_plain_sgd_bit_for_bit():
+def test_zero_noise_and_loose_clips_is_plain_sgd():
+    """Up to the rounding of the batch's sum, which fastdp forms in float64 (plain SGD's is float32)."""
     torch.manual_seed(2)
     make = lambda: nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 4))  # noqa: E731
     model, plain = make(), make()
@@ -129,4 +130,4 @@ def test_zero_noise_and_loose_clips_is_plain_sgd_bit_for_bit():
     losses = nn.functional.cross_entropy(plain(x), y, reduction="none")
     grads = torch.autograd.grad(losses.sum(), list(plain.parameters()))
     for p, g in zip(model.parameters(), grads, strict=True):
-        assert torch.equal(p.grad, g / (q * n))
+        torch.testing.assert_close(p.grad, g / (q * n), rtol=1e-5, atol=1e-7)

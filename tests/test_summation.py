@@ -225,3 +225,154 @@ def test_a_finite_input_whose_squares_overflow_float32_does_not_make_the_release
     x[0] = 2e19
     y[0] = int(model(x[:1]).argmax())
     assert _loo(lambda: DPSGD(1.0, 0.0, 1.0, 5, reproducible_seed=0), model, x, y) == 0.0
+
+
+# ------------------------------------------- the variants whose bound lives in the network (fastdp.nn.SummedLayer)
+
+
+def _aligned(b: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """b nearly equal unit inputs (the batch's partial sums where float32 loses a bound) and a different example 0."""
+    torch.manual_seed(0)
+    base = torch.randn(1, d)
+    x = (base / base.norm()).repeat(b, 1) + 1e-3 * torch.randn(b, d)
+    x[0] = torch.randn(d)
+    return x, torch.zeros(b, dtype=torch.long)
+
+
+def _float32_loo(model, x, y, output_grad) -> list[float]:
+    """Each parameter's leave-one-out change (example 0) of an ordinary float32 backward's batch sum, for the output
+    gradient ``output_grad(logits, mask)``: what the variants released before their layers summed in float64."""
+    sums = []
+    for mask in (torch.ones(len(x), dtype=torch.bool), torch.arange(len(x)) > 0):
+        logits = model(x)
+        sums.append(torch.autograd.grad(logits, list(model.parameters()), output_grad(logits, mask)))
+    return [float((a.double() - c.double()).norm()) for a, c in zip(*sums, strict=True)]
+
+
+def _variant_loo(make, model, x, y) -> list[float]:
+    full, _ = make().clipped_sum(model, Batch(x, y, torch.ones(len(x), dtype=torch.bool)), 0)
+    less, _ = make().clipped_sum(model, Batch(x, y, torch.arange(len(x)) > 0), 0)
+    return [float((a - c).norm()) for a, c in zip(full, less, strict=True)]
+
+
+def test_clipless_sums_keep_the_bound_where_a_float32_backward_exceeds_it():
+    """32768 aligned examples through a LipschitzLinear under the KR loss (each example's gradient at its bound
+    sqrt(2)): the float32 weight-gradient GEMM of an ordinary backward moved the sum by 1.00024 Delta when example 0
+    left; the layers' float64 sums stay within Delta (and the noise covers Delta (1 + s))."""
+    from fastdp.algorithms import Clipless
+    from fastdp.nn.clip import clip_rows
+    from fastdp.nn.lipschitz import BoundedInput, LipschitzLinear, MulticlassKR
+
+    b = 32768
+    x, y = _aligned(b, 64)
+    torch.manual_seed(3)
+    model = nn.Sequential(BoundedInput(1.0), LipschitzLinear(64, 2, bias=True))
+    loss = MulticlassKR()
+    bound = float(loss.lipschitz)  # the weight's g X_0 (X_0 = 1) and the bias's g
+
+    def logit_grad(logits, mask):
+        leaf = logits.detach().requires_grad_()
+        (g,) = torch.autograd.grad((loss(leaf, y) * mask).sum(), leaf)
+        return clip_rows(g, bound * (1 - 2.0**-20))
+
+    assert max(_float32_loo(model, x, y, logit_grad)) > bound * (1 + 1e-4)  # the hole this closes
+    change = _variant_loo(lambda: Clipless(0.0, 1.0, b, loss=loss), model, x, y)
+    assert max(change) <= bound and min(change) > 0.99 * bound
+
+
+def test_backprop_sums_keep_the_bound_where_a_float32_backward_exceeds_it():
+    """The same for backpropagation clipping (inputs clipped to C1, output gradients to C2 in every layer)."""
+    from fastdp.algorithms import BackpropClip
+
+    b, c1, c2 = 65536, 1.0, 0.5
+    x, y = _aligned(b, 64)
+    make = lambda: BackpropClip(c1, c2, 0.0, 1.0, b)  # noqa: E731
+    torch.manual_seed(3)
+    model = nn.Linear(64, 2)
+    make().prepare(model)
+    plain = lambda logits, mask: torch.autograd.grad(  # noqa: E731
+        (nn.functional.cross_entropy(logits, y, reduction="none") * mask).sum(), logits, retain_graph=True
+    )[0]
+    fp32 = _float32_loo(model, x, y, plain)  # the layer clips on the way: the plain backward of the converted model
+    assert max(a / s for a, s in zip(fp32, (c1 * c2, c2), strict=True)) > 1 + 1e-4
+    change = _variant_loo(make, model, x, y)
+    assert change[0] <= c1 * c2 and change[1] <= c2 and change[0] > 0.9 * c1 * c2
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [dict(kernel_size=3, padding="same"), dict(kernel_size=4, padding="same", dilation=2, groups=2),
+     dict(kernel_size=4, padding="same"), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, padding=(1, 0)),
+     dict(kernel_size=3, padding="valid")],
+)  # fmt: skip
+def test_a_convolutions_float64_sums_are_its_gradient(geometry):
+    """``ConvShape`` (the sums of LipschitzConv2d, WeightClipConv2d and backprop's Conv2d) against torch's float64
+    convolution backward, torch's "same" padding (uneven for even kernels) included."""
+    from fastdp.nn.layers import ConvShape
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, **geometry).double()
+    x = torch.randn(5, 4, 9, 8, dtype=F64)
+    g = torch.randn_like(conv(x))
+    expected = torch.autograd.grad(conv(x), [conv.weight, conv.bias], g)
+    shape = ConvShape(conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+    for got, want in zip(shape.clipped_grad_sums((x,), g, None), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_lipschitz_layers_sums_are_their_gradients_and_the_noise_covers_the_slack():
+    """Clipless on a conv + linear + bias model (float64 weights, so the ordinary backward is the reference): the
+    float64 sums are the gradients, and every noise std is sigma sqrt(D) Delta_l times 1 + s."""
+    from fastdp.algorithms import Clipless, WeightClip
+    from fastdp.algorithms.base import rounding_noise_factor
+    from fastdp.nn.lipschitz import AddBias, BoundedInput, LipschitzConv2d, LipschitzLinear, TauCrossEntropy
+    from fastdp.nn.weightclip import WeightClipConv2d
+
+    torch.manual_seed(0)
+    convs = {"clipless": LipschitzConv2d(2, 3, 3, (6, 6)), "weightclip": WeightClipConv2d(2, 3, 3, (6, 6), bias=True)}
+    for kind, conv in convs.items():
+        model = nn.Sequential(BoundedInput(1.0), conv, nn.Flatten(), LipschitzLinear(48, 4), AddBias(4, 1.0)).double()
+        x, y = torch.randn(7, 2, 6, 6, dtype=F64), torch.randint(0, 4, (7,))
+        variant = (Clipless if kind == "clipless" else WeightClip)(2.0, 0.5, 1000, loss=TauCrossEntropy())
+        sums, _ = variant.clipped_sum(model, Batch(x, y, torch.ones(7, dtype=torch.bool)), 0)
+        logits = model(x)
+        leaf = logits.detach().requires_grad_()
+        (g,) = torch.autograd.grad(variant.loss_fn(leaf, y).sum(), leaf)
+        expected = torch.autograd.grad(logits, list(model.parameters()), g)
+        for got, want in zip(sums, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        stds = variant.noise_stds(model).double()
+        factor = rounding_noise_factor(1000)
+        assert factor > 1
+        bounds = variant.last_bounds.double()
+        assert torch.all(stds >= 2.0 * math.sqrt(len(sums)) * bounds * factor * (1 - 2.0**-23))
+
+
+def test_a_trainable_layer_that_does_not_sum_in_float64_is_refused():
+    """A user's LipschitzModule with a parameter and its own rules: an ordinary backward would sum its gradient
+    over the batch in float32 (unbounded), so clipless names it instead of releasing."""
+    from fastdp.algorithms import Clipless
+    from fastdp.nn.lipschitz import BoundedInput, LipschitzLinear, LipschitzModule, TauCrossEntropy
+
+    class Scale(LipschitzModule):
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return x * self.s.clamp(-1, 1)
+
+        def propagate(self, x_bound):
+            return x_bound
+
+        def backpropagate(self, g_bound):
+            return g_bound
+
+        def sensitivities(self, x_bound, g_bound):
+            return {self.s: x_bound * g_bound}
+
+    model = nn.Sequential(BoundedInput(1.0), LipschitzLinear(5, 3), Scale())
+    with pytest.raises(ValueError, match=r"trainable parameters in 2 \(Scale\).*float64"):
+        Clipless(1.0, 0.5, 100, loss=TauCrossEntropy()).gradient(model, Batch(torch.randn(4, 5), torch.zeros(4,
+            dtype=torch.long), torch.ones(4, dtype=torch.bool)), 0)  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())

@@ -1,9 +1,11 @@
 """Backpropagation clipping (Stevens et al. 2022, corrected): per-layer input clip C1 and upstream-gradient clip C2.
 
-One ordinary backward of the summed loss through layers converted by ``fastdp.nn.backprop.convert_backprop``;
-each parameter tensor's per-example gradient norm is <= Delta_l (C1 C2 for weights, C2 or sqrt(T) C2 for biases),
-so tensor l of the sum gets noise std s Delta_l and the sum is divided by the expected batch size q N — once:
-the published code divided the sensitivity by the batch size a second time (noise b times too small).
+One backward of the summed loss through layers converted by ``fastdp.nn.backprop.convert_backprop``, which sum
+their gradients over the batch in float64 (``fastdp.nn.layers.SummedLayer``); each parameter tensor's per-example
+gradient norm is <= Delta_l (C1 C2 for weights, C2 or sqrt(T) C2 for biases), so tensor l of the sum gets noise std
+s Delta_l (1 + s') (s': the sums' rounding, ``rounding_noise_factor``) and the sum is divided by the expected batch
+size q N — once: the published code divided the sensitivity by the batch size a second time (noise b times too
+small).
 
 The N tensors are N Gaussian mechanisms with multiplier s, which account as one with multiplier s / sqrt(N)
 (``fastdp.privacy.per_layer_noise_multiplier``); ``noise_multiplier`` here is that effective sigma (what the
@@ -23,10 +25,11 @@ from fastdp.algorithms.base import (
     SUMMED_IN_LOW_PRECISION,
     Batch,
     Variant,
-    gradient_sums,
+    bounded_gradient_sums,
     per_example_cross_entropy,
     release_noisy_mean,
-    summed_loss_gradients,
+    rounding_noise_factor,
+    summed_forward,
     trainable_parameters,
 )
 from fastdp.nn.backprop import (
@@ -75,6 +78,7 @@ class BackpropClip(Variant):
         self.noise_multiplier = float(noise_multiplier)
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = self.sample_rate * num_examples
+        self.num_examples = num_examples  # bounds every batch: the rounding of its float64 sums (release)
         self.keys = PrivacyKeys(reproducible_seed)  # None: OS entropy; an int: reproducible, NOT FOR RELEASE
         self.tensors = 0
         self._prepared: weakref.WeakSet = weakref.WeakSet()  # models converted (by identity; a freed id can recur)
@@ -99,12 +103,14 @@ class BackpropClip(Variant):
         check_backprop_supported(model)  # every step: train/eval mode and requires_grad can change after convert
         reset_calls(model)
         with exact_fp32():  # the weight gradients are the clipped sums: no TF32/bf16 rounding of the clipped rows
-            sums, loss = summed_loss_gradients(model, self.loss_fn, batch, self._forward)
-        refuse_reused_layers(model)  # a layer called k times sums k clipped terms: k C1 C2, not the C1 C2 credited
-        return sums, loss
+            out, records = summed_forward(lambda: self._forward(model, batch.x), batch.x.shape[0])
+            refuse_reused_layers(model)  # a layer called k times sums k clipped terms: k C1 C2, not the C1 C2 credited
+            losses = self.loss_fn(out, batch.y) * batch.mask
+            return bounded_gradient_sums(model, records, losses.sum()), losses.detach().sum()
 
     def output_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-        """The front door's forward, with the checks of :meth:`clipped_sum` (each layer called once)."""
+        """The front door's forward (in the front door's :func:`summed_forward`), with the checks of
+        :meth:`clipped_sum` (each layer called once)."""
         self.prepare(model)
         check_backprop_supported(model)
         reset_calls(model)
@@ -112,18 +118,21 @@ class BackpropClip(Variant):
         refuse_reused_layers(model)
         return output
 
-    def sums_of_output(self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    def sums_of_output(
+        self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor, records: list
+    ) -> list[torch.Tensor]:
         """The front door's sums: one backward from the output gradient; the layers clip each example's inputs (C1)
-        and upstream gradients (C2) on the way, as in :meth:`clipped_sum`."""
+        and upstream gradients (C2) on the way, as in :meth:`clipped_sum`, and sum their gradients in float64."""
         with exact_fp32():
-            return gradient_sums(trainable_parameters(model), output, grad)
+            return bounded_gradient_sums(model, records, output, grad)
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         params = trainable_parameters(model)
         sensitivities = parameter_sensitivities(model)
         self.tensors = len(params)
-        scale = self.noise_multiplier * math.sqrt(len(params))
-        stds = [scale * sensitivities[p] for p in params]  # on the sum; divided by q N once, below
+        # times 1 + s: the rounding of the float64 batch sums (rounding_noise_factor), rounded up with the product
+        scale = self.noise_multiplier * math.sqrt(len(params)) * rounding_noise_factor(self.num_examples)
+        stds = [math.nextafter(scale * sensitivities[p], math.inf) for p in params]  # on the sum; / q N once, below
         release_noisy_mean(params, sums, stds, self.expected_batch_size, self.keys, step)
 
     def privacy_event(self) -> tuple[float, float]:

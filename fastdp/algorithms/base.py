@@ -30,11 +30,11 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
-from fastdp.nn.ghost import output_gradients
-from fastdp.nn.layers import own_trainable
+from fastdp.nn.ghost import GhostClipping, output_gradients
+from fastdp.nn.layers import SummedLayer, own_trainable
 from fastdp.nn.rows import RowProbe, row_functional
 from fastdp.nn.validate import BufferWatch, check_parameter_dtypes
-from fastdp.ops import OptimizerUpdate, add_noise_, release_
+from fastdp.ops import OptimizerUpdate, add_noise_, release_, summation
 from fastdp.ops.summation import CompensatedSum
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 
@@ -228,14 +228,18 @@ class Variant(abc.ABC):
         self._compiled = (clipped_sum, release, cudagraphs)
 
     def output_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-        """The front door's training forward of an "output" variant (:attr:`front_door`): ``model(*args,
-        **kwargs)``, with whatever the variant enforces on it (an input bound, a count of layer calls)."""
+        """The front door's training forward of an "output" variant (:attr:`front_door`; run in
+        :func:`summed_forward`): ``model(*args, **kwargs)``, with whatever the variant enforces on it (an input
+        bound, a count of layer calls)."""
         return model(*args, **kwargs)
 
-    def sums_of_output(self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    def sums_of_output(
+        self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor, records: list
+    ) -> list[torch.Tensor]:
         """The front door's sums of an "output" variant: the gradient of ``sum_i <output_i, grad_i>`` w.r.t. each
-        trainable parameter (one backward through the model's graph), ``grad`` row i being example i's loss
-        gradient w.r.t. its output row; what bounds each example's contribution is the variant's."""
+        trainable parameter (one backward through the model's graph, whose forward ran in :func:`summed_forward`
+        and left ``records``), ``grad`` row i being example i's loss gradient w.r.t. its output row; what bounds
+        each example's contribution is the variant's."""
         raise ValueError(f"variant {self.name!r} does not take its step from the gradient at the model's output")
 
     def row_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -411,7 +415,8 @@ def summed_loss_gradients(
     model: torch.nn.Module, loss_fn, batch: Batch, forward=None, loss_scale: float = 1.0
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(gradient of the summed loss of the real examples w.r.t. each trainable parameter, in ``sum_dtype``; that
-    summed loss). One ordinary backward: for variants whose sensitivity is bounded inside the network.
+    summed loss). One ordinary backward, its sums over the batch in float32: for the non-private baseline (the
+    private variants' sums have bounded rounding: :func:`bounded_gradient_sums`, DP-SGD's clipped sums).
 
     ``forward(model, x)`` runs the model (default ``model(x)``; a variant passes its ``_forward``, which applies
     autocast); the backward is of ``loss_scale`` times the summed loss, and the gradients are divided by it in fp32
@@ -420,20 +425,66 @@ def summed_loss_gradients(
     if batch.x.shape[0] == 0:
         return [torch.zeros_like(p, dtype=sum_dtype(p)) for p in params], torch.zeros((), device=batch.x.device)
     losses = loss_fn(model(batch.x) if forward is None else forward(model, batch.x), batch.y) * batch.mask
-    sums = gradient_sums(params, losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum())
+    grads = torch.autograd.grad(losses.sum() * loss_scale if loss_scale != 1.0 else losses.sum(), params,
+                                allow_unused=True)  # fmt: skip
+    sums = [torch.zeros_like(p, dtype=sum_dtype(p)) if g is None else g.to(sum_dtype(p))
+            for p, g in zip(params, grads, strict=True)]  # fmt: skip
     if loss_scale != 1.0:
         torch._foreach_div_(sums, loss_scale)
     return sums, losses.detach().sum()
 
 
-def gradient_sums(
-    params: list[torch.nn.Parameter], outputs: torch.Tensor, grad_outputs: torch.Tensor | None = None
+def summed_forward(forward, examples: int) -> tuple[torch.Tensor, list]:
+    """(``forward()``, its records): the forward in a summing :class:`fastdp.nn.GhostClipping`, where the layers of the
+    variants whose bound lives in the network (``fastdp.nn.layers.SummedLayer``) record themselves and will sum their
+    parameters' gradients over the batch in float64 in the backward (:func:`bounded_gradient_sums`)."""
+    with GhostClipping(examples, sums=True) as ctx:
+        output = forward()
+    return output, ctx.records
+
+
+def bounded_gradient_sums(
+    model: torch.nn.Module, records: list, outputs: torch.Tensor, grad_outputs: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
-    """The gradient of ``outputs`` (a scalar, or weighted by ``grad_outputs``) w.r.t. each of ``params`` in its
-    ``sum_dtype``, zero for parameters it does not reach: one ordinary backward."""
-    grads = torch.autograd.grad(outputs, params, grad_outputs, allow_unused=True)
-    return [torch.zeros_like(p, dtype=sum_dtype(p)) if g is None else g.to(sum_dtype(p))
-            for p, g in zip(params, grads, strict=True)]  # fmt: skip
+    """The gradient of ``outputs`` (a scalar, or weighted by ``grad_outputs``) w.r.t. each trainable parameter, float64,
+    after one backward through the graph of :func:`summed_forward`: each parameter's sum over the batch as its
+    layers formed it (float64 chunks added by TwoSum, ``fastdp.ops.summation``: one example moves it by at most its
+    bound times ``1 + sensitivity_slack``), zero for parameters the forward did not use. Refuses trainable
+    parameters outside such layers (an ordinary backward would sum their gradient in float32, unbounded)."""
+    refuse_unsummed(model)
+    if outputs.requires_grad:
+        torch.autograd.backward(outputs, grad_outputs)
+    sums: dict[int, CompensatedSum] = {}
+    for record in records:
+        for p, part in zip(record.layer.dp_parameters(), record.sums or (), strict=False):
+            sums.setdefault(id(p), CompensatedSum()).add_(part.value())
+    return [sums[id(p)].value() if id(p) in sums else torch.zeros_like(p, dtype=torch.float64)
+            for p in trainable_parameters(model)]  # fmt: skip
+
+
+def refuse_unsummed(model: torch.nn.Module) -> None:
+    """Refuse trainable parameters held by a module that does not sum their gradient over the batch itself
+    (``fastdp.nn.layers.SummedLayer``), for the variants whose bound lives in the network."""
+    held = [(name or "<model>", type(m).__name__) for name, m in model.named_modules()
+            if own_trainable(m) and not isinstance(m, SummedLayer)]  # fmt: skip
+    if held:
+        listed = ", ".join(f"{name} ({kind})" for name, kind in held)
+        raise ValueError(
+            f"trainable parameters in {listed}: the variants whose per-example bound lives in the network (clipless, "
+            "weightclip, backprop) release their parameters' gradient summed over the batch, which fastdp's own "
+            "layers sum in float64 with a bounded rounding (a float32 sum over the batch, as an ordinary backward "
+            "forms it, is re-rounded by every example: one example can move it beyond its bound). Build the "
+            "trainable part from fastdp.nn.lipschitz / fastdp.nn.weightclip layers (LipschitzLinear, "
+            "LipschitzConv2d, AddBias, WeightClipConv2d) or, for backprop, torch Linear/Conv2d layers, and freeze "
+            "the rest (requires_grad=False)"
+        )
+
+
+def rounding_noise_factor(num_examples: int) -> float:
+    """``1 + sensitivity_slack`` (rounded up) for batches of at most ``num_examples`` examples: how much the float64
+    batch sums of :func:`bounded_gradient_sums` can add to one example's bound, which the noise of those variants
+    is scaled by (``fastdp.ops.summation``)."""
+    return math.nextafter(1 + summation.sensitivity_slack(num_examples, summation.world_size()), math.inf)
 
 
 class FusedOptimizerStep(Protocol):

@@ -2,8 +2,10 @@
 
 No per-example work: the per-example gradient norm of every parameter tensor is bounded analytically by
 "backpropagation for bounds" (``fastdp.nn.lipschitz.lipschitz_bounds``) from the input bound X_0, the loss's
-Lipschitz constant and the layers' certified constants on the current weights. One ordinary backward of the
-summed loss, then noise on the sum and division by the expected batch size q N:
+Lipschitz constant and the layers' certified constants on the current weights. One backward of the summed loss, in
+which the layers sum their gradients over the batch in float64 (``fastdp.nn.layers.SummedLayer``; the noise below
+is scaled by 1 + s for that sum's rounding, ``rounding_noise_factor``), then noise on the sum and division by the
+expected batch size q N:
 
 * ``strategy="per-layer"``: tensor l gets noise std s * Delta_l. D tensors released together are D Gaussian
   mechanisms with multiplier s each, which account as one with multiplier s / sqrt(D); the ``noise_multiplier``
@@ -44,20 +46,30 @@ from fastdp.algorithms.base import (
     SUMMED_IN_LOW_PRECISION,
     Batch,
     Variant,
-    gradient_sums,
+    bounded_gradient_sums,
+    refuse_unsummed,
     release_noisy_mean,
-    summed_loss_gradients,
+    rounding_noise_factor,
+    summed_forward,
     trainable_parameters,
 )
-from fastdp.nn.clip import clip_rows
+from fastdp.nn.clip import CLIP_MARGIN, clip_rows
 from fastdp.nn.lipdp import loss_from_config
-from fastdp.nn.lipschitz import LipschitzLoss, TauCrossEntropy, lipschitz_bounds, mul_up, project_, sqrt_up, sum_up
+from fastdp.nn.lipschitz import (
+    LipschitzLoss,
+    TauCrossEntropy,
+    check_rules,
+    lipschitz_bounds,
+    mul_up,
+    project_,
+    sqrt_up,
+    sum_up,
+)
 from fastdp.ops.spectral import deferred_finite_checks
 from fastdp.privacy.rng import PrivacyKeys
 from fastdp.ref.spectral import round_up
 
 STRATEGIES = ("per-layer", "global")
-CLIP_MARGIN = 1 - 2.0**-20  # rows are scaled to C (1 - 2**-20): the float64 norm and two float32 roundings stay below C
 
 
 class Clipless(Variant):
@@ -98,6 +110,7 @@ class Clipless(Variant):
         self.noise_multiplier = float(noise_multiplier)
         self.sample_rate = float(sample_rate)
         self.expected_batch_size = self.sample_rate * num_examples
+        self.num_examples = num_examples  # bounds every batch: the rounding of its float64 sums (noise_stds)
         if input_bound is not None and not (math.isfinite(input_bound) and input_bound > 0):
             raise ValueError(f"input bound X_0 must be finite and > 0, got {input_bound}")
         self.input_bound = input_bound
@@ -190,7 +203,9 @@ class Clipless(Variant):
 
         Computed in float64 from the float64 bounds with every product, sum and square root rounded up, and
         rounded up once to float32 (``last_bounds`` too): never below the exact sigma sqrt(D) Delta_l (or sigma
-        sqrt(sum Delta^2)) of the bounds, where casts and float32 products round to nearest, half the time down."""
+        sqrt(sum Delta^2)) of the bounds, where casts and float32 products round to nearest, half the time down.
+        Times ``1 + s``: the rounding of the batch's float64 sums moves one example's contribution by at most
+        ``s Delta_l`` (``fastdp.algorithms.base.rounding_noise_factor``; s < 1e-3 for a million examples)."""
         x_bound = math.inf if self.input_bound is None else self.input_bound  # else the model's BoundedInput
         bounds = lipschitz_bounds(model, self.loss_fn, x_bound, self.logit_clip)
         params = trainable_parameters(model)
@@ -205,33 +220,41 @@ class Clipless(Variant):
             for p in params
         ])  # fmt: skip
         self.last_bounds = round_up(bounds64, torch.float32)
+        sigma = mul_up(self.gradient_noise_multiplier, rounding_noise_factor(self.num_examples))
         if self.strategy == "global":
-            std = mul_up(self.gradient_noise_multiplier, sqrt_up(sum_up(mul_up(bounds64, bounds64))))
+            std = mul_up(sigma, sqrt_up(sum_up(mul_up(bounds64, bounds64))))
             return round_up(std, torch.float32).expand(len(params))
-        scale = mul_up(self.gradient_noise_multiplier, sqrt_up(float(len(params))))
+        scale = mul_up(sigma, sqrt_up(float(len(params))))
         return round_up(mul_up(scale, bounds64), torch.float32)
 
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         if self.input_bound is not None:  # enforce X_0 on the inputs (a per-example projection)
             batch = Batch(clip_rows(batch.x, self.input_bound), batch.y, batch.mask)
+        check_rules(model)  # before the forward: names every layer without a rule (then the release computes them)
         with exact_fp32():  # the analytic bounds leave no room for TF32/bf16 products (as for autocast, refused)
-            if batch.x.shape[0] == 0:
-                return summed_loss_gradients(model, self.loss_fn, batch, self._forward)
-            logits = self._forward(model, batch.x)
-            losses = self.loss_fn(logits, batch.y) * batch.mask
-            (grad,) = torch.autograd.grad(losses.sum(), logits, retain_graph=True)
-            return self._output_sums(model, logits, grad, batch.mask), losses.detach().sum()
+            logits, records = summed_forward(lambda: self._forward(model, batch.x), batch.x.shape[0])
+            # the loss's gradient at a detached copy of the logits: this backward must not reach the layers' hooks
+            leaf = logits.detach().requires_grad_()
+            losses = self.loss_fn(leaf, batch.y) * batch.mask
+            (grad,) = torch.autograd.grad(losses.sum(), leaf)
+            return self._output_sums(model, logits, grad, records, batch.mask), losses.detach().sum()
 
     def _output_sums(
-        self, model: torch.nn.Module, logits: torch.Tensor, grad: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        model: torch.nn.Module,
+        logits: torch.Tensor,
+        grad: torch.Tensor,
+        records: list,
+        mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Each example's gradient w.r.t. its logits (row of ``grad``) clipped to the loss's constant L (a hair below,
         so that the chain rule's rounding cannot carry a row above what the bound rules credit the loss with), or,
         with ``logit_clip_quantile``, to C_t, the real examples (``mask``) with norm <= C_t added to this step's
-        count (released with its sums); then one backward through the model."""
-        params = trainable_parameters(model)
+        count (released with its sums); then one backward through the model of :func:`summed_forward`
+        (``records``), whose layers sum their gradients over the batch in float64."""
         if self.logit_clip_quantile is None:
-            return gradient_sums(params, logits, clip_rows(grad, self.loss_fn.lipschitz * CLIP_MARGIN))
+            clipped = clip_rows(grad, self.loss_fn.lipschitz * CLIP_MARGIN)
+            return bounded_gradient_sums(model, records, logits, clipped)
         if self.logit_clip is None:  # C_0 = L: the first step clips nothing the bounds did not already cover
             self.logit_clip = torch.full((), float(self.loss_fn.lipschitz), dtype=torch.float64, device=grad.device)
         norms = torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1).to(torch.float64), dim=1)
@@ -242,7 +265,7 @@ class Clipless(Variant):
             under = under & mask.bool()
         count = under.sum().to(torch.float64).reshape(1)
         self._count = count if self._count is None else self._count + count  # micro-batches of one step add up
-        return gradient_sums(params, logits, clipped)
+        return bounded_gradient_sums(model, records, logits, clipped)
 
     def release(self, model: torch.nn.Module, sums: list[torch.Tensor], step: int) -> None:
         # the bounds are those of the weights the sums were computed with (the step has not changed them yet)
@@ -264,7 +287,8 @@ class Clipless(Variant):
         self.logit_clip = updated.clamp(1e-6 * lipschitz, lipschitz)
 
     def output_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-        """The front door's forward: with ``input_bound`` X_0, the one input tensor projected onto the X_0 ball."""
+        """The front door's forward (in the front door's :func:`summed_forward`): with ``input_bound`` X_0, the one
+        input tensor projected onto the X_0 ball."""
         if self.input_bound is None:
             with exact_fp32():  # the activations' norms are in the bounds too
                 return model(*args, **kwargs)
@@ -277,16 +301,20 @@ class Clipless(Variant):
         with exact_fp32():
             return model(clip_rows(args[0], self.input_bound))
 
-    def sums_of_output(self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    def sums_of_output(
+        self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor, records: list
+    ) -> list[torch.Tensor]:
         """The front door's sums: each example's gradient w.r.t. its output row clipped as in :meth:`clipped_sum`
         (whatever loss the user computed, the bound rules credit it with L, or C_t), one backward through the model."""
         with exact_fp32():
-            return self._output_sums(model, output, grad)
+            return self._output_sums(model, output, grad, records)
 
     def check_model(self, model: torch.nn.Module) -> None:
-        """The Lipschitz bound rules (their refusal names every layer without one), before the row probe."""
+        """The Lipschitz bound rules (their refusal names every layer without one) and the layers that sum the
+        gradients, before the row probe."""
         with torch.no_grad():
             self.noise_stds(model)
+        refuse_unsummed(model)
 
     def after_step(self, model: torch.nn.Module) -> None:
         self.steps_since_projection += 1

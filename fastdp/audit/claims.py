@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fastdp.algorithms import DPSGD, JL, BackpropClip, Clipless, Variant
-from fastdp.algorithms.base import trainable_parameters
+from fastdp.algorithms.base import rounding_noise_factor, trainable_parameters
 from fastdp.algorithms.dpsgd import dp_layers
 from fastdp.nn.backprop import parameter_sensitivities
 from fastdp.nn.lipschitz import BoundedInput, GroupSort2, LipschitzLinear, TauCrossEntropy
@@ -160,7 +160,8 @@ def expected_claim(variant: Variant, model: nn.Module) -> Expectation | None:
     """The claim derived from the variant's hyperparameters and the model, without the variant's code: DP-SGD
     sigma C (per-layer: sigma sqrt(L) C_l on layer l), JL sigma C, backprop clipping sigma sqrt(N) C1 C2 on
     weights and sigma sqrt(N) C2 on biases ([B, d] inputs), Lipschitz MLPs sigma sqrt(D) Delta_l (global:
-    sigma sqrt(sum Delta^2)) with Delta_l from exact spectral norms. None where no derivation applies (a
+    sigma sqrt(sum Delta^2)) with Delta_l from exact spectral norms; the last two times 1 + s, the rounding of their
+    float64 batch sums (``fastdp.ops.summation.sensitivity_slack``). None where no derivation applies (a
     non-private variant, or a Lipschitz model other than a chain of LipschitzLinear and 1-Lipschitz
     activations)."""
     if not variant.private:
@@ -187,14 +188,16 @@ def expected_claim(variant: Variant, model: nn.Module) -> Expectation | None:
         return Expectation(every, (c,), (variant.noise_multiplier * c,) * n, *EXACT, how)
     if isinstance(variant, BackpropClip):
         bounds = tuple(variant.input_clip * variant.grad_clip if p.dim() >= 2 else variant.grad_clip for p in params)
-        scale = variant.noise_multiplier * math.sqrt(n)
-        how = "sigma sqrt(N) C1 C2 on weights, sigma sqrt(N) C2 on biases (Stevens et al., corrected)"
+        scale = variant.noise_multiplier * math.sqrt(n) * rounding_noise_factor(variant.num_examples)
+        how = ("sigma sqrt(N) C1 C2 on weights, sigma sqrt(N) C2 on biases (Stevens et al., corrected), times 1 + s "
+               "for the rounding of the float64 batch sums")  # fmt: skip
         return Expectation(tuple((i,) for i in range(n)), bounds, tuple(scale * d for d in bounds), *EXACT, how)
     if isinstance(variant, Clipless):
         bounds = _lipschitz_chain_bounds(variant, model, params)
         if bounds is None:
             return None
-        sigma = variant.gradient_noise_multiplier  # sigma itself unless the logit-clip count shares the step's noise
+        # sigma itself unless the logit-clip count shares the step's noise; 1 + s: the float64 batch sums' rounding
+        sigma = variant.gradient_noise_multiplier * rounding_noise_factor(variant.num_examples)
         if variant.strategy == "global":
             stds = (sigma * math.sqrt(sum(d * d for d in bounds)),) * n
         else:

@@ -15,11 +15,11 @@ own code: :func:`fastdp.audit.claims.noiseless`) on D and on D without the targe
 
 * ``ok``: for every sensitivity group g of the variant's claim (:func:`fastdp.audit.claims.claim_of`),
   ``||u_g(D) - u_g(D - target)|| b <= Delta_g (1 + 1e-6) + rounding``, where rounding is 0 for float64 and
-  ``8 u B Delta_g`` (u = 2^-24, B rows) in fp32 and bf16 for the variants whose sums come from an fp32 backward:
-  removing a row re-rounds the other examples' partial sums (relative u of the batch's sum); ``2 u B Delta_g`` for
-  DP-SGD and DP-SGD-JL, whose float64 sums' rounding is inside their bound (``fastdp.ops.summation``) and whose
-  noiseless release is only cast to float32; DP-SGD-JL's bound is ``C max(Z, z_floor)`` (its
-  clip factor comes from a norm estimate M, ``Z = ||g|| / M``; see ``_Auditor.jl_ratio`` in
+  ``2 u B Delta_g`` (u = 2^-24, B rows) in fp32 and bf16: every variant sums the batch in float64 with its rounding
+  inside its bound (``fastdp.ops.summation``; DP-SGD and JL in their clip bound, the variants whose bound lives in the
+  network in their noise, ``fastdp.nn.layers.SummedLayer``), and the noiseless release is only cast to float32
+  (an fp32 sum over the batch, re-rounded by every example, had needed 8 u B Delta_g); DP-SGD-JL's bound is
+  ``C max(Z, z_floor)`` (its clip factor comes from a norm estimate M, ``Z = ||g|| / M``; see ``_Auditor.jl_ratio`` in
   :mod:`fastdp.audit.sensitivity`);
 * ``refused``: the variant raised ``ValueError`` (``UnsupportedLayerError`` included) or ``TypeError`` naming what
   is wrong, before releasing anything;
@@ -71,9 +71,8 @@ ATTACKS = ("ordinary", "huge", "cancel", "zero", "nonfinite", "copies")
 ATTACK_DRAWS = (*ATTACKS, "cancel", "cancel", "huge")  # the attacks that found holes, drawn more often
 CLASSES = 3
 RELATIVE_SLACK = 1e-6
-ROUNDING_UNITS = 8  # fp32/bf16: rounding allowance 8 u B Delta (module docstring)
-# DP-SGD and DP-SGD-JL sum in float64 with the rounding folded into their clip bound (fastdp.ops.summation): what is
-# left is the cast of the noiseless release to float32, at most u of each of the two releases, 2 u B Delta
+# every variant sums in float64 with the rounding folded into its bound (fastdp.ops.summation): what is left is the
+# cast of the noiseless release to float32, at most u of each of the two releases, 2 u B Delta
 CAST_UNITS = 2
 FP32_UNIT = 2.0**-24
 KEY = 20_261_123  # the reproducible privacy key of the fuzzer's variants (never released: noiseless)
@@ -605,8 +604,7 @@ def fuzz_case(case: FuzzCase, draw_architecture: Callable) -> Outcome:
         return Outcome(case, "stopped" if stopped else "violation", detail="the release is not finite")
     b = variant.expected_batch_size
     diff = [(a - c) * b for a, c in zip(full, less, strict=True)]
-    units = CAST_UNITS if isinstance(variant, (DPSGD, JL)) else ROUNDING_UNITS
-    rounding = 0.0 if dtype == torch.float64 else units * FP32_UNIT * case.rows
+    rounding = 0.0 if dtype == torch.float64 else CAST_UNITS * FP32_UNIT * case.rows
     if isinstance(variant, JL):
         case_ = AuditCase(case.variant, variant, model, "")
         example = Batch(x[position : position + 1], y[position : position + 1], torch.ones(1, dtype=torch.bool))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastdp.algorithms.base import Variant
+from fastdp.algorithms.base import Variant, summed_forward
 from fastdp.nn import GhostClipping, check_supported, convert
 
 
@@ -44,7 +44,7 @@ from fastdp.nn import GhostClipping, check_supported, convert
 class Recorded:
     """One training forward: its DP layer calls (with G once ``loss.backward()`` ran) and its number of examples."""
 
-    records: list  # "ghost": the DP layers' calls
+    records: list  # the DP layers' calls ("ghost"), or the summing layers' ("output": their gradients' sums)
     examples: int
     inputs: tuple  # the forward's (args, kwargs), for the row probe
     output: torch.Tensor | None = None  # "output": the model's output (its graph) ...
@@ -163,7 +163,7 @@ class PrivateModule(nn.Module):
                 f"variant {variant.name!r} cannot train under autocast ({autocast[0]}): "
                 f"{variant.low_precision_refusal}. Run its forward in fp32 (autocast is available for variant='dpsgd')"
             )
-        out = variant.output_forward(self._module, args, kwargs)
+        out, records = summed_forward(lambda: variant.output_forward(self._module, args, kwargs), examples)
         if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != examples:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(
@@ -171,7 +171,7 @@ class PrivateModule(nn.Module):
                 f"return one tensor whose rows are the batch's {examples} examples; it returned {shape}"
             )
         leaf = out.detach().requires_grad_()
-        self._pending.append(Recorded([], examples, (args, kwargs), out, leaf, public=self._public))
+        self._pending.append(Recorded(records, examples, (args, kwargs), out, leaf, public=self._public))
         return leaf
 
     def take_recorded(self) -> list[Recorded]:

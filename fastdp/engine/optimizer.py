@@ -225,7 +225,10 @@ class DPOptimizer(Optimizer):
         model, n = self.module._module, recorded.examples
         if n >= 2:
             self._check_rows(model, recorded.inputs, n)
-        return self.variant.sums_of_output(model, recorded.output, grad * n if self.loss_reduction == "mean" else grad)
+        sums = self.variant.sums_of_output(model, recorded.output, grad * n if self.loss_reduction == "mean" else grad,
+                                           recorded.records)  # fmt: skip
+        recorded.records.clear()
+        return sums
 
     def _check_rows(self, model: torch.nn.Module, inputs: tuple, n: int) -> None:
         """Each row one example (``fastdp.nn.rows``): the model's output rows and the DP layers' input rows must not

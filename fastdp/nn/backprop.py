@@ -9,7 +9,9 @@ gradient* (w.r.t. the layer output) to C2 in the backward pass. Then, per exampl
   gradient of output channel c is a sum of shifted copies of x weighted by g_c, so its norm is <= sum_pq |g_cpq|
   ||x||, hence ||dL/dK||_F <= ||g||_15 ||x|| <= C1 C2, and ||dL/db|| <= ||g||_15 <= C2.
 
-No per-example gradient is formed: one ordinary backward of the summed loss.
+No per-example gradient is formed: one backward of the summed loss, in which each layer sums its parameters'
+gradient over the batch in float64 chunks (``fastdp.nn.layers.SummedLayer``; the rounding of a float32 sum over the
+batch is not bounded by C1 C2).
 
 Each bound is for one use of the layer: a layer called k times in one forward (``lin(lin(x))``), or a parameter
 shared by two layers (tied weights), gets the sum of k clipped terms, up to k C1 C2. Both are refused
@@ -22,9 +24,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fastdp.nn.clip import clip_gradient, clip_rows
+from fastdp.nn.clip import CLIP_MARGIN, clip_gradient, clip_rows
+from fastdp.nn.layers import ConvShape, SummedLayer, linear_grad_sums
 from fastdp.nn.validate import check_backprop_supported, refuse_reused_layers  # the refusals, shared (re-exported)
 
 __all__ = ["BackpropClipConv2d", "BackpropClipLinear", "check_backprop_supported", "convert_backprop",
@@ -39,12 +43,12 @@ class _BackpropClip:
     calls: int = 0  # forward calls since the last reset_calls (BackpropClip: those of one step's forward)
 
     def _clipped_call(self, x: torch.Tensor, norm: str) -> torch.Tensor:
-        self.calls += 1
-        y = super().forward(clip_rows(x, self.input_clip))
-        return clip_gradient(y, self.grad_clip, norm)
+        self.calls += 1  # both clips a hair inside the bounds the sensitivities credit (CLIP_MARGIN)
+        y = self._summed_call(self._layer, clip_rows(x, self.input_clip * CLIP_MARGIN), self.weight, self.bias)
+        return clip_gradient(y, self.grad_clip * CLIP_MARGIN, norm)
 
 
-class BackpropClipLinear(_BackpropClip, nn.Linear):
+class BackpropClipLinear(_BackpropClip, SummedLayer, nn.Linear):
     """``nn.Linear`` with backpropagation clipping; bias sensitivity counts the positions of token-wise inputs."""
 
     positions: int = 1
@@ -59,8 +63,14 @@ class BackpropClipLinear(_BackpropClip, nn.Linear):
             out[self.bias] = math.sqrt(self.positions) * self.grad_clip
         return out
 
+    def _layer(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
-class BackpropClipConv2d(_BackpropClip, nn.Conv2d):
+    def grad_sums(self, saved: tuple, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        return linear_grad_sums(self.weight, self.bias, saved, grad_out, None)
+
+
+class BackpropClipConv2d(_BackpropClip, SummedLayer, nn.Conv2d):
     """``nn.Conv2d`` (zero padding) with backpropagation clipping; upstream gradients clipped in the l15 norm."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +83,13 @@ class BackpropClipConv2d(_BackpropClip, nn.Conv2d):
         if self.bias is not None:
             out[self.bias] = self.grad_clip
         return out
+
+    def _layer(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._conv_forward(x, weight, bias)
+
+    def grad_sums(self, saved: tuple, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        shape = ConvShape(self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        return shape.clipped_grad_sums(saved, grad_out, None)
 
 
 _SWAP = {nn.Linear: BackpropClipLinear, nn.Conv2d: BackpropClipConv2d}

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdp.nn.forms import dense
+from fastdp.ops.summation import CompensatedSum
 
 _state = threading.local()
 
@@ -49,8 +50,13 @@ class Record:
     form_budget: int | None = None  # see the module docstring
     formed: list[torch.Tensor] | None = None  # per-example gradients of ``layer.dp_parameters()``, A and G dropped
     formed_from_half: bool = False  # whether the A or G that ``formed`` came from had a dtype below float32
+    summed: bool = False  # a summing context's record (:class:`GhostClipping`, ``sums``) ...
+    sums: list[CompensatedSum] | None = None  # ... and the batch's gradient of each of ``layer.dp_parameters()``
 
     def _capture(self, grad: torch.Tensor) -> None:
+        if self.summed:
+            self._sum(grad)
+            return
         if self.formed is not None:
             raise RuntimeError(
                 f"a second backward through one forward reached a {type(self.layer).__name__} whose per-example "
@@ -60,6 +66,16 @@ class Record:
         self.grad = grad if self.grad is None else self.grad + grad
         if self.form_budget is not None:
             self._form()
+
+    @torch.no_grad()
+    def _sum(self, grad: torch.Tensor) -> None:
+        """A summing context's record (:class:`GhostClipping`, ``sums``): the layer's float64 gradient sums of this
+        G added to the record's (sums are linear in G: a second backward adds its part); G is not kept."""
+        parts = self.layer.grad_sums(self.saved, grad)
+        if self.sums is None:
+            self.sums = [CompensatedSum() for _ in parts]
+        for total, part in zip(self.sums, parts, strict=True):
+            total.add_(part)
 
     @torch.no_grad()
     def _form(self) -> None:
@@ -82,10 +98,15 @@ class Record:
 class GhostClipping:
     """Context of one DP-SGD step's forward: DP layers record themselves here instead of producing weight grads."""
 
-    def __init__(self, batch: int | None = None, form_budget: int | None = None) -> None:
+    def __init__(self, batch: int | None = None, form_budget: int | None = None, sums: bool = False) -> None:
         self.records: list[Record] = []
         self.batch = batch  # the number of examples of the forward, where known (an index shared by them is expanded)
         self.form_budget = form_budget  # per-example gradients formed in the hooks, within it (module docstring)
+        # a summing context (clipless, weight clipping, backpropagation clipping): the layers of those variants
+        # (``fastdp.nn.layers.SummedLayer``) record themselves and sum their gradients over the batch in float64 in
+        # their hooks; DP layers run as torch's (their parameters' gradients are then unbounded: the variants refuse
+        # them)
+        self.sums = sums
 
     @torch.compiler.disable
     def tap(self, layer: torch.nn.Module, saved: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -102,7 +123,7 @@ class GhostClipping:
                 "inside the forward takes no part in the step. Disable the checkpointing (BatchMemoryManager bounds "
                 "the memory instead), and keep no_grad parts of the model frozen or in eval() mode"
             )
-        record = Record(layer, saved, output.shape, output.dtype, form_budget=self.form_budget)
+        record = Record(layer, saved, output.shape, output.dtype, form_budget=self.form_budget, summed=self.sums)
         if not output.requires_grad:
             # First layer: neither input nor (detached) parameters need grad. A non-leaf copy keeps in-place
             # ops on the output (ReLU(inplace=True)) legal.
@@ -141,8 +162,17 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def active_context() -> GhostClipping | None:
-    """The GhostClipping context of the current thread, if a DP step's forward is running."""
-    return getattr(_state, "context", None)
+    """The GhostClipping context of the current thread, if a DP-SGD (or JL) step's forward is running: DP layers
+    record themselves in it."""
+    ctx = getattr(_state, "context", None)
+    return None if ctx is None or ctx.sums else ctx
+
+
+def summing_context() -> GhostClipping | None:
+    """The summing GhostClipping context (``sums``) of the current thread, if the forward of a step of a variant whose
+    bound lives in the network is running: ``fastdp.nn.layers.SummedLayer`` layers record themselves in it."""
+    ctx = getattr(_state, "context", None)
+    return ctx if ctx is not None and ctx.sums else None
 
 
 def output_gradients(scalar_of, batch: int | None = None) -> list[tuple[torch.nn.Module, torch.Tensor]]:

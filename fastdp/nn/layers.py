@@ -33,7 +33,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from fastdp.nn.forms import Dense, Form, Outer, Rows
-from fastdp.nn.ghost import active_context
+from fastdp.nn.ghost import active_context, summing_context
 from fastdp.ops import (
     certified_conv_ghost_norm_sq,
     certified_ghost_norm_sq,
@@ -149,11 +149,14 @@ def _sequence_weight_sq(a: torch.Tensor, g: torch.Tensor, cache: dict | None) ->
     return _rowsq(per_example)
 
 
-def _clipped_weight_sum(a: torch.Tensor, grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+def _clipped_weight_sum(a: torch.Tensor, grad_out: torch.Tensor, factors: torch.Tensor | None) -> torch.Tensor:
     """``sum_i c_i g_i^T a_i`` [p, d], float64, for a [B, ..., d], G [B, ..., p]: float64 GEMMs over every
-    example's positions in chunks (``fastdp.ops.summation.outer_sum``), the narrower of G and A scaled by c."""
+    example's positions in chunks (``fastdp.ops.summation.outer_sum``), the narrower of G and A scaled by c (no
+    scaling where ``factors`` is None: every c_i = 1)."""
     positions = math.prod(a.shape[1:-1])
     rows_a, rows_g = a.reshape(-1, a.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+    if factors is None:
+        return summation.outer_sum(rows_g, rows_a)
     scale = factors.repeat_interleave(positions) if positions != 1 else factors
     if a.shape[-1] < grad_out.shape[-1]:
         return summation.outer_sum(rows_g, rows_a, right_scale=scale)
@@ -283,18 +286,34 @@ class Linear(nn.Linear, DPLayer):
         return forms
 
     def clipped_grad_sums(
-        self, saved, grad_out: torch.Tensor, factors: torch.Tensor, cache: dict | None = None
+        self, saved, grad_out: torch.Tensor, factors: torch.Tensor | None, cache: dict | None = None
     ) -> list[torch.Tensor]:
-        (a,) = saved
-        sums = []
-        if self.weight.requires_grad and cache and "weight" in cache:
-            sums.append(summation.weighted_sum(factors, cache["weight"]))
-        elif self.weight.requires_grad:
-            sums.append(_clipped_weight_sum(a, grad_out, factors))
-        if self.bias is not None and self.bias.requires_grad:
-            bias = cache["bias"] if cache and "bias" in cache else self._flat(a, grad_out)[1].to(torch.float64).sum(1)
-            sums.append(summation.weighted_sum(factors, bias))
-        return sums
+        return linear_grad_sums(self.weight, self.bias, saved, grad_out, factors, cache)
+
+
+def linear_grad_sums(
+    weight: nn.Parameter,
+    bias: nn.Parameter | None,
+    saved: tuple,
+    grad_out: torch.Tensor,
+    factors: torch.Tensor | None,
+    cache: dict | None = None,
+) -> list[torch.Tensor]:
+    """``sum_i c_i grad_i`` (float64) of each trainable one of ``weight`` [p, d] and ``bias`` [p] of ``y = x W^T + b``
+    from the saved input ``(a,)`` [B, ..., d] and G [B, ..., p] (``factors`` None: every c_i = 1); per-example
+    gradients a norm formed in ``cache`` are summed instead of a second GEMM."""
+    (a,) = saved
+    sums = []
+    if weight.requires_grad and cache and "weight" in cache:
+        sums.append(summation.weighted_sum(factors, cache["weight"]))
+    elif weight.requires_grad:
+        sums.append(_clipped_weight_sum(a, grad_out, factors))
+    if bias is not None and bias.requires_grad:
+        bias_rows = (
+            cache["bias"] if cache and "bias" in cache else Linear._flat(a, grad_out)[1].to(torch.float64).sum(1)
+        )
+        sums.append(summation.weighted_sum(factors, bias_rows))
+    return sums
 
 
 # Bytes of input, output gradient and weight gradient per convolution backward that forms per-example weight
@@ -402,10 +421,13 @@ class _ConvNd(DPLayer):
                                                    self.dilation, False, [0] * self._spatial, groups,
                                                    (False, True, False))[1]  # fmt: skip
 
-    def _clipped_weight_sum(self, x: torch.Tensor, grad_out: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-        """``sum_i c_i grad_i`` of the weight, float64: per group, float64 GEMMs of G's rows and the input patches'
-        (``fastdp.ops.summation.outer_sum``), the patches of a block of examples at a time (at most
-        ``SUM_CHUNK_ROWS`` rows, or one example), the blocks added by ``CompensatedSum``."""
+    def _clipped_weight_sum(
+        self, x: torch.Tensor, grad_out: torch.Tensor, factors: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``sum_i c_i grad_i`` of the weight (every c_i = 1 where ``factors`` is None), float64: per group, float64
+        GEMMs of G's rows and the input patches' (``fastdp.ops.summation.outer_sum``), the patches of a block of
+        examples at a time (at most ``SUM_CHUNK_ROWS`` rows, or one example), the blocks added by
+        ``CompensatedSum``."""
         b, groups, cg = x.shape[0], self.groups, self.weight.shape[1]
         if b == 0:
             return torch.zeros(self.weight.shape, dtype=torch.float64, device=x.device)
@@ -416,7 +438,7 @@ class _ConvNd(DPLayer):
             a, g = self._grouped(x[start : start + per], grad_out[start : start + per])
             m = a.shape[0] // groups
             a, g = a.reshape(m, groups, positions, -1), g.reshape(m, groups, positions, -1)
-            scale = factors[start : start + per].repeat_interleave(positions)
+            scale = None if factors is None else factors[start : start + per].repeat_interleave(positions)
             for j, total in enumerate(totals):
                 total.add_(summation.outer_sum(g[:, j].reshape(-1, g.shape[-1]), a[:, j].reshape(-1, a.shape[-1]),
                                                left_scale=scale))  # fmt: skip
@@ -556,6 +578,64 @@ class Conv2d(_ConvNd, nn.Conv2d):
     """``torch.nn.Conv2d`` (padding_mode 'zeros', any stride/padding/dilation/groups)."""
 
     _spatial = 2
+
+
+class ConvShape(_ConvNd):
+    """A convolution's parameters and geometry without its torch module: what :class:`_ConvNd`'s sums read, for the
+    convolutions of the variants whose bound lives in the network (fastdp's own classes, with integer geometry)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, stride, padding, dilation, groups: int = 1):
+        n = self._spatial = weight.dim() - 2
+        self.weight, self.bias, self.groups, self.out_channels = weight, bias, groups, weight.shape[0]
+        self.kernel_size = tuple(weight.shape[2:])
+        self.stride, self.dilation = (
+            tuple(v) if isinstance(v, (tuple, list)) else (v,) * n for v in (stride, dilation)
+        )
+        self._input_pad: list[int] | None = None  # F.pad of the input where torch's "same" pads unevenly
+        if padding == "valid":
+            padding = 0
+        elif padding == "same":  # torch's rule: d (k - 1) in all, the extra one at the end
+            total = [d * (k - 1) for d, k in zip(self.dilation, self.kernel_size, strict=True)]
+            padding = tuple(t // 2 for t in total)
+            if any(t % 2 for t in total):
+                self._input_pad = [v for t in reversed(total) for v in (t // 2, t - t // 2)]
+                padding = 0
+        self.padding = tuple(padding) if isinstance(padding, (tuple, list)) else (padding,) * n
+
+    def clipped_grad_sums(
+        self, saved, grad_out: torch.Tensor, factors: torch.Tensor | None, cache: dict | None = None
+    ) -> list[torch.Tensor]:
+        if self._input_pad is not None:
+            saved = (F.pad(saved[0], self._input_pad),)
+        return super().clipped_grad_sums(saved, grad_out, factors, cache)
+
+
+class SummedLayer:
+    """Mixin for the layers of the variants whose per-example bound lives in the network (clipless, weight clipping,
+    backpropagation clipping; ``fastdp.nn.lipschitz``, ``fastdp.nn.weightclip``, ``fastdp.nn.backprop``): there the
+    parameters' gradient summed over the batch *is* what is released, so that sum must have a bounded rounding. An
+    ordinary backward sums it in the weight-gradient GEMM over the batch in float32, whose partial sums one example
+    re-rounds (``fastdp.ops.summation``). Inside a summing :class:`~fastdp.nn.ghost.GhostClipping` (``sums=True``)
+    such a layer runs on its detached parameters and records its input; its output's hook gives G, and
+    :meth:`grad_sums` the gradient's batch sum in float64 chunks added by TwoSum (``fastdp.ops.summation``). Each
+    example's terms there (``sum_t |a_t| |g_t|``) are within its certified per-example bound by the same
+    Cauchy-Schwarz step as the bound rules, so the rounding adds at most ``sensitivity_slack`` of the bound.
+    Elsewhere the plain layer."""
+
+    def dp_parameters(self) -> list[nn.Parameter]:
+        return own_trainable(self)
+
+    def _summed_call(self, fn, x: torch.Tensor, *params: nn.Parameter | None) -> torch.Tensor:
+        """``fn(x, *params)``; in a summing context, on the detached parameters, recorded (input ``x``)."""
+        ctx = summing_context()
+        if ctx is None or not any(p is not None and p.requires_grad for p in params):
+            return fn(x, *params)
+        out = fn(x, *(None if p is None else p.detach() for p in params))
+        return ctx.tap(self, (x.detach(),), out)
+
+    def grad_sums(self, saved: tuple, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        """The batch's gradient of each of :meth:`dp_parameters` (float64) from the saved input and G."""
+        raise NotImplementedError(f"{type(self).__name__} must define grad_sums")
 
 
 def _per_example_index(idx: torch.Tensor, batch: int | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.nn.clip import clip_gradient, clip_rows
-from fastdp.nn.layers import FORWARD_METHODS
+from fastdp.nn.layers import FORWARD_METHODS, ConvShape, SummedLayer, linear_grad_sums
 from fastdp.ops import (
     bjorck_orthonormalize,
     certified_bjorck_step,
@@ -40,6 +40,7 @@ from fastdp.ops import (
     certify_norm_at_most,
     frobenius_distance_up,
     rko_orthonormalize,
+    summation,
 )
 from fastdp.ops.orthogonal import lipschitz_projection
 from fastdp.ref import spectral as spectral_ref
@@ -226,7 +227,7 @@ PROJECTIONS = ("orthogonal", "clip", "fixed")
 BJORCK_BUDGET = 2**24  # multiply-adds of the automatic Björck steps per projection of one LipschitzLinear
 
 
-class LipschitzLinear(LipschitzModule):
+class LipschitzLinear(LipschitzModule, SummedLayer):
     """y = x W^T (+ b), with the spectral norm of W kept in check by the projection after each step:
 
     * ``"orthogonal"`` (clipless, GNP): ``bjorck_steps`` certified Björck steps towards singular values
@@ -318,7 +319,10 @@ class LipschitzLinear(LipschitzModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None and x.dim() != 2:
             raise ValueError(f"LipschitzLinear with bias takes [B, d] inputs, got shape {tuple(x.shape)}")
-        return F.linear(x, self.weight, self.bias)
+        return self._summed_call(F.linear, x, self.weight, self.bias)
+
+    def grad_sums(self, saved: tuple, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        return linear_grad_sums(self.weight, self.bias, saved, grad_out, None)
 
     def _certify(self, bound: torch.Tensor) -> None:
         """Record ``bound`` (float64, >= ||W||_2) as the certificate of the current weights."""
@@ -404,7 +408,7 @@ class LipschitzLinear(LipschitzModule):
         self._certify(torch.where(factor == 1, norm, add_up(mul_up(f64, norm), rounding)))
 
 
-class LipschitzConv2d(LipschitzModule):
+class LipschitzConv2d(LipschitzModule, SummedLayer):
     """Bias-free 2-D convolution (zero padding) kept near 1-Lipschitz by reshaped kernel orthogonalisation (RKO):
     the [C_out, C_in kh kw] kernel matrix is orthonormalised and scaled by deel-lip's factor for ``input_hw``.
 
@@ -434,7 +438,14 @@ class LipschitzConv2d(LipschitzModule):
             self.project_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(x, self.weight, None, self.stride, self.padding, self.dilation)
+        return self._summed_call(self._conv, x, self.weight)
+
+    def _conv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, weight, None, self.stride, self.padding, self.dilation)
+
+    def grad_sums(self, saved: tuple, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        shape = ConvShape(self.weight, None, self.stride, self.padding, self.dilation)
+        return shape.clipped_grad_sums(saved, grad_out, None)
 
     def _root_overlap(self) -> int:
         return conv_root_overlap(self.kernel_size, self.stride, self.dilation)
@@ -508,7 +519,7 @@ class L2NormPool2d(LipschitzModule):
         return _l2_norm(x[..., : h * k, : w * k].reshape(*x.shape[:-2], h, k, w, k), (-3, -1))
 
 
-class AddBias(LipschitzModule):
+class AddBias(LipschitzModule, SummedLayer):
     """y = x + b for [B, d] inputs, with ||b|| <= ``norm_max`` kept by projection onto the ball.
 
     Rules: ||y|| <= ||x|| + ||b|| (a certified norm of the current bias: <= norm_max after the projection, up to
@@ -526,7 +537,10 @@ class AddBias(LipschitzModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             raise ValueError(f"AddBias takes [B, d] inputs (one bias per example), got shape {tuple(x.shape)}")
-        return x + self.bias
+        return self._summed_call(torch.add, x, self.bias)
+
+    def grad_sums(self, saved: tuple, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        return [summation.weighted_sum(None, grad_out)] if self.bias.requires_grad else []
 
     def propagate(self, x_bound: Bound) -> Bound:
         return add_up(x_bound, norm_up(self.bias))
@@ -843,6 +857,16 @@ def _backward_bounds(model: nn.Module, x_bounds: list[Bound], g_bound: Bound) ->
     return sensitivities, g_bound
 
 
+def check_rules(model: nn.Module) -> None:
+    """Refuse, naming them all, the layers whose bound rule does not cover them (:func:`_rule_problem`)."""
+    unsupported = _unsupported(model)
+    if unsupported:
+        raise ValueError(
+            "these layers have no Lipschitz bound rule that covers them, so clipless/weightclip training cannot bound "
+            f"their per-example gradients: {_listed(unsupported)}. Every layer needs one ({_RULES})"
+        )
+
+
 def lipschitz_bounds(
     model: nn.Module, loss: LipschitzLoss, input_bound: float = math.inf, output_gradient_bound: Bound | None = None
 ) -> dict[nn.Parameter, Bound]:
@@ -858,12 +882,7 @@ def lipschitz_bounds(
     (+inf where a certified norm meets them): checking them is the caller's (the trainer checks the parameters
     once per epoch).
     """
-    unsupported = _unsupported(model)
-    if unsupported:
-        raise ValueError(
-            "these layers have no Lipschitz bound rule that covers them, so clipless/weightclip training cannot bound "
-            f"their per-example gradients: {_listed(unsupported)}. Every layer needs one ({_RULES})"
-        )
+    check_rules(model)
     _bounds_pass.memo = {}
     try:
         start = loss.lipschitz if output_gradient_bound is None else _minimum(loss.lipschitz, output_gradient_bound)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdp.nn.layers import ConvShape, SummedLayer
 from fastdp.nn.lipschitz import (
     CERTIFY_ITERS,
     Bound,
@@ -68,7 +69,7 @@ def _check_features(layer: str, x: torch.Tensor, features: int | None) -> None:
 # ------------------------------------------------------------------------------------------------- convolution
 
 
-class WeightClipConv2d(LipschitzModule):
+class WeightClipConv2d(LipschitzModule, SummedLayer):
     """y = conv2d(x, W) (+ b) with zero padding, its kernel kept at a certified operator-norm bound <= C by rescaling:
     Lip-DP-SGD's ClipWeights for convolutions (Barczewski and Ramon 2023, Algorithm 1 line 24 with eq. 5's factor).
 
@@ -139,7 +140,14 @@ class WeightClipConv2d(LipschitzModule):
                 f"WeightClipConv2d was built for {self.input_hw[0]}x{self.input_hw[1]} inputs (its bias bound "
                 f"depends on the output size), got shape {tuple(x.shape)}; build it with input_hw = (H, W) of its input"
             )
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+        return self._summed_call(self._conv, x, self.weight, self.bias)
+
+    def _conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation)
+
+    def grad_sums(self, saved: tuple, grad_out: torch.Tensor) -> list[torch.Tensor]:
+        shape = ConvShape(self.weight, self.bias, self.stride, self.padding, self.dilation)
+        return shape.clipped_grad_sums(saved, grad_out, None)
 
     def _root_overlap(self) -> int:
         return conv_root_overlap(self.kernel_size, self.stride, self.dilation)

@@ -25,8 +25,13 @@ cancel). The clip rule (:func:`clip_sq_up`) keeps ``c_i mass_i <= MASS_RATIO C'`
     ||computed(D) - computed(D')|| <= C' + 2 gamma_K N MASS_RATIO C' = C' (1 + s),
 
 and clipping at ``C' = C / (1 + s)`` (:func:`clip_bound`) keeps the release's sensitivity at C. For N = 10^6 the
-slack s is about 6e-4; for the usual data sets below 1e-4. An example is clipped by its mass only when that exceeds
+slack s is about 4.8e-4; for the usual data sets below 1e-4. An example is clipped by its mass only when that exceeds
 MASS_RATIO (1024) times its norm: positions cancelling at large magnitude, never ordinary gradients (about sqrt(T)).
+
+The variants whose per-example bound lives in the network (clipless, weight clipping, backpropagation clipping) sum
+their layers' gradients the same way (``fastdp.nn.layers.SummedLayer``); their examples' terms are within the
+certified bound Delta itself, so the rounding adds at most ``s Delta`` and their noise is scaled by ``1 + s``
+(``fastdp.algorithms.base.rounding_noise_factor``) instead of their bounds being lowered.
 
 After the noise, the release is cast to the parameters' dtype: post-processing.
 """
@@ -186,13 +191,15 @@ def outer_sum(
     return total.value()
 
 
-def weighted_sum(factors: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``sum_i c_i x_i`` float64 for ``rows`` [B, ...] (one GEMV per chunk of :data:`SUM_CHUNK_ROWS` examples)."""
+def weighted_sum(factors: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """``sum_i c_i x_i`` float64 for ``rows`` [B, ...] (one GEMV per chunk of :data:`SUM_CHUNK_ROWS` examples; a
+    float64 sum over the chunk's rows where ``factors`` is None: every c_i = 1)."""
     flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
     total = CompensatedSum()
     for start in range(0, max(flat.shape[0], 1), SUM_CHUNK_ROWS):
         part = slice(start, start + SUM_CHUNK_ROWS)
-        total.add_(factors[part].to(_F64) @ flat[part].to(_F64))
+        chunk = flat[part].to(_F64)
+        total.add_(chunk.sum(0) if factors is None else factors[part].to(_F64) @ chunk)
     return total.value().reshape(rows.shape[1:])
 
 
