@@ -452,14 +452,31 @@ def bounded_gradient_sums(
     bound times ``1 + sensitivity_slack``), zero for parameters the forward did not use. Refuses trainable
     parameters outside such layers (an ordinary backward would sum their gradient in float32, unbounded)."""
     refuse_unsummed(model)
-    if outputs.requires_grad:
-        torch.autograd.backward(outputs, grad_outputs)
+    params = trainable_parameters(model)
+    escaped: list[torch.nn.Parameter] = []  # parameters the backward reached outside a summing layer's record
+    handles = [p.register_hook(lambda grad, p=p: escaped.append(p)) for p in params]
+    try:
+        if outputs.requires_grad:
+            torch.autograd.backward(outputs, grad_outputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if escaped:
+        names = {id(p): name for name, p in model.named_parameters()}
+        listed = ", ".join(dict.fromkeys(names.get(id(p), "?") for p in escaped))
+        raise ValueError(
+            f"the gradient of {listed} reached it outside a fastdp layer that sums it over the batch in float64 (a "
+            "subclass overriding the layer's forward, or the parameter used directly by other code, e.g. a tied "
+            "weight read by another module): that part would be an ordinary float32 batch sum with no bound on its "
+            "rounding (and, under backprop clipping, unclipped). Use each trainable parameter only through its "
+            "fastdp layer's own forward"
+        )
     sums: dict[int, CompensatedSum] = {}
     for record in records:
         for p, part in zip(record.layer.dp_parameters(), record.sums or (), strict=False):
             sums.setdefault(id(p), CompensatedSum()).add_(part.value())
     return [sums[id(p)].value() if id(p) in sums else torch.zeros_like(p, dtype=torch.float64)
-            for p in trainable_parameters(model)]  # fmt: skip
+            for p in params]  # fmt: skip
 
 
 def refuse_unsummed(model: torch.nn.Module) -> None:

@@ -229,8 +229,12 @@ class Clipless(Variant):
 
     def clipped_sum(self, model: torch.nn.Module, batch: Batch, step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         if self.input_bound is not None:  # enforce X_0 on the inputs (a per-example projection)
-            batch = Batch(clip_rows(batch.x, self.input_bound), batch.y, batch.mask)
+            batch = Batch(clip_rows(batch.x, self.input_bound * CLIP_MARGIN), batch.y, batch.mask)
         check_rules(model)  # before the forward: names every layer without a rule (then the release computes them)
+        if batch.x.shape[0] == 0:  # an empty Poisson batch: zero sums (some layers cannot run on 0 rows)
+            refuse_unsummed(model)
+            zeros = [torch.zeros_like(p, dtype=torch.float64) for p in trainable_parameters(model)]
+            return zeros, torch.zeros((), device=batch.x.device)
         with exact_fp32():  # the analytic bounds leave no room for TF32/bf16 products (as for autocast, refused)
             logits, records = summed_forward(lambda: self._forward(model, batch.x), batch.x.shape[0])
             # the loss's gradient at a detached copy of the logits: this backward must not reach the layers' hooks
@@ -299,7 +303,7 @@ class Clipless(Variant):
                 "fastdp.nn.lipschitz.BoundedInput and drop input_bound"
             )
         with exact_fp32():
-            return model(clip_rows(args[0], self.input_bound))
+            return model(clip_rows(args[0], self.input_bound * CLIP_MARGIN))
 
     def sums_of_output(
         self, model: torch.nn.Module, output: torch.Tensor, grad: torch.Tensor, records: list

@@ -144,7 +144,8 @@ def claim_of(variant: Variant, model: nn.Module) -> Claim | None:
         bounds = parameter_sensitivities(model)
         groups = tuple((i,) for i in range(len(params)))
         sensitivities = tuple(float(bounds[p]) for p in params)
-        scale = variant.noise_multiplier * math.sqrt(len(params))  # as BackpropClip.release
+        # as BackpropClip.release: times 1 + s for the rounding of the float64 batch sums
+        scale = variant.noise_multiplier * math.sqrt(len(params)) * rounding_noise_factor(variant.num_examples)
         stds = [scale * s for s in sensitivities]
     else:
         raise ValueError(

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdp.nn.clip import clip_gradient, clip_rows
+from fastdp.nn.clip import CLIP_MARGIN, clip_gradient, clip_rows
 from fastdp.nn.layers import FORWARD_METHODS, ConvShape, SummedLayer, linear_grad_sums
 from fastdp.ops import (
     bjorck_orthonormalize,
@@ -217,7 +217,7 @@ class BoundedInput(LipschitzModule):
         self.bound = float(bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return clip_rows(x, self.bound)
+        return clip_rows(x, self.bound * CLIP_MARGIN)  # a hair inside X_0, which the rules credit (CLIP_MARGIN)
 
     def propagate(self, x_bound: Bound) -> Bound:
         return _minimum(self.bound, x_bound)
@@ -625,7 +625,7 @@ class ClipGradient(LipschitzModule):
         self.clip = float(clip)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return clip_gradient(x, self.clip)
+        return clip_gradient(x, self.clip * CLIP_MARGIN)  # a hair inside the clip the rule credits (CLIP_MARGIN)
 
     def backpropagate(self, g_bound: Bound) -> Bound:
         return _minimum(g_bound, self.clip)
