@@ -625,8 +625,12 @@ class SummedLayer:
     def dp_parameters(self) -> list[nn.Parameter]:
         return own_trainable(self)
 
+    @torch.compiler.disable
     def _summed_call(self, fn, x: torch.Tensor, *params: nn.Parameter | None) -> torch.Tensor:
-        """``fn(x, *params)``; in a summing context, on the detached parameters, recorded (input ``x``)."""
+        """``fn(x, *params)``; in a summing context, on the detached parameters, recorded (input ``x``). Never
+        compiled (a graph break per layer): a model compiled by the user and called in the front door's summing
+        context had some layers traced on their plain forward, whose gradients then reached the parameters outside
+        the records (refused, ``fastdp.algorithms.base.bounded_gradient_sums``)."""
         ctx = summing_context()
         if ctx is None or not any(p is not None and p.requires_grad for p in params):
             return fn(x, *params)
