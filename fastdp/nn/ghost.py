@@ -35,6 +35,8 @@ from fastdp.nn.forms import dense
 from fastdp.ops.summation import CompensatedSum
 
 _state = threading.local()
+_summing = 0  # summing contexts open in any thread (summing_anywhere)
+_summing_lock = threading.Lock()
 
 
 @dataclass
@@ -133,13 +135,21 @@ class GhostClipping:
         return output
 
     def __enter__(self) -> GhostClipping:
+        global _summing
         if getattr(_state, "context", None) is not None:
             raise RuntimeError("GhostClipping contexts do not nest")
         _state.context = self
+        if self.sums:
+            with _summing_lock:
+                _summing += 1
         return self
 
     def __exit__(self, *exc) -> None:
+        global _summing
         _state.context = None
+        if self.sums:
+            with _summing_lock:
+                _summing -= 1
 
 
 def _checkpointing() -> bool:
@@ -166,6 +176,12 @@ def active_context() -> GhostClipping | None:
     record themselves in it."""
     ctx = getattr(_state, "context", None)
     return None if ctx is None or ctx.sums else ctx
+
+
+def summing_anywhere() -> bool:
+    """Whether a summing context is open in any thread: a module-level count, which torch.compile guards by value
+    (``fastdp.nn.layers.SummedLayer``); the thread's own context is :func:`summing_context`."""
+    return _summing > 0
 
 
 def summing_context() -> GhostClipping | None:

@@ -33,7 +33,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from fastdp.nn.forms import Dense, Form, Outer, Rows
-from fastdp.nn.ghost import active_context, summing_context
+from fastdp.nn.ghost import active_context, summing_anywhere, summing_context
 from fastdp.ops import (
     certified_conv_ghost_norm_sq,
     certified_ghost_norm_sq,
@@ -625,12 +625,20 @@ class SummedLayer:
     def dp_parameters(self) -> list[nn.Parameter]:
         return own_trainable(self)
 
-    @torch.compiler.disable
     def _summed_call(self, fn, x: torch.Tensor, *params: nn.Parameter | None) -> torch.Tensor:
-        """``fn(x, *params)``; in a summing context, on the detached parameters, recorded (input ``x``). Never
-        compiled (a graph break per layer): a model compiled by the user and called in the front door's summing
-        context had some layers traced on their plain forward, whose gradients then reached the parameters outside
-        the records (refused, ``fastdp.algorithms.base.bounded_gradient_sums``)."""
+        """``fn(x, *params)``; in a summing context, on the detached parameters, recorded (input ``x``).
+
+        Under torch.compile the choice is guarded: :func:`~fastdp.nn.ghost.summing_anywhere` reads a module-level
+        count, on which dynamo guards by value (plain: one graph, ``fullgraph`` works; summing: the recording call,
+        never compiled, a graph break per layer). The thread-local context alone was not guarded: a model the user
+        compiled outside the context and then called in the front door's ran some layers' plain forward, whose
+        gradients reached the parameters outside the records (refused, ``bounded_gradient_sums``)."""
+        if not summing_anywhere():
+            return fn(x, *params)
+        return self._recorded_call(fn, x, *params)
+
+    @torch.compiler.disable
+    def _recorded_call(self, fn, x: torch.Tensor, *params: nn.Parameter | None) -> torch.Tensor:
         ctx = summing_context()
         if ctx is None or not any(p is not None and p.requires_grad for p in params):
             return fn(x, *params)
