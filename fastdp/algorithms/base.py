@@ -434,13 +434,10 @@ def summed_loss_gradients(
     return sums, losses.detach().sum()
 
 
-@torch.compiler.disable
 def summed_forward(forward, examples: int) -> tuple[torch.Tensor, list]:
     """(``forward()``, its records): the forward in a summing :class:`fastdp.nn.GhostClipping`, where the layers of the
     variants whose bound lives in the network (``fastdp.nn.layers.SummedLayer``) record themselves and will sum their
-    parameters' gradients over the batch in float64 in the backward (:func:`bounded_gradient_sums`). Never compiled
-    (``Variant.compile``): inductor traced some layers' plain forward inside the context, whose gradients then reached
-    the parameters outside the records (refused by :func:`bounded_gradient_sums`)."""
+    parameters' gradients over the batch in float64 in the backward (:func:`bounded_gradient_sums`)."""
     with GhostClipping(examples, sums=True) as ctx:
         output = forward()
     return output, ctx.records

@@ -232,9 +232,8 @@ class Clipless(Variant):
             batch = Batch(clip_rows(batch.x, self.input_bound * CLIP_MARGIN), batch.y, batch.mask)
         check_rules(model)  # before the forward: names every layer without a rule (then the release computes them)
         if batch.x.shape[0] == 0:  # an empty Poisson batch: zero sums (some layers cannot run on 0 rows)
-            refuse_unsummed(model)
-            zeros = [torch.zeros_like(p, dtype=torch.float64) for p in trainable_parameters(model)]
-            return zeros, torch.zeros((), device=batch.x.device)
+            empty = torch.zeros((), device=batch.x.device)
+            return bounded_gradient_sums(model, [], empty), empty
         with exact_fp32():  # the analytic bounds leave no room for TF32/bf16 products (as for autocast, refused)
             logits, records = summed_forward(lambda: self._forward(model, batch.x), batch.x.shape[0])
             # the loss's gradient at a detached copy of the logits: this backward must not reach the layers' hooks

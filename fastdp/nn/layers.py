@@ -620,7 +620,8 @@ class SummedLayer:
     :meth:`grad_sums` the gradient's batch sum in float64 chunks added by TwoSum (``fastdp.ops.summation``). Each
     example's terms there (``sum_t |a_t| |g_t|``) are within its certified per-example bound by the same
     Cauchy-Schwarz step as the bound rules, so the rounding adds at most ``sensitivity_slack`` of the bound.
-    Elsewhere the plain layer."""
+    Elsewhere the plain layer. Each such layer defines ``grad_sums(saved, G)``: the batch's gradient of each of
+    :meth:`dp_parameters` (float64) from its saved input and G."""
 
     def dp_parameters(self) -> list[nn.Parameter]:
         return own_trainable(self)
@@ -644,10 +645,6 @@ class SummedLayer:
             return fn(x, *params)
         out = fn(x, *(None if p is None else p.detach() for p in params))
         return ctx.tap(self, (x.detach(),), out)
-
-    def grad_sums(self, saved: tuple, grad_out: torch.Tensor) -> list[torch.Tensor]:
-        """The batch's gradient of each of :meth:`dp_parameters` (float64) from the saved input and G."""
-        raise NotImplementedError(f"{type(self).__name__} must define grad_sums")
 
 
 def _per_example_index(idx: torch.Tensor, batch: int | None) -> torch.Tensor:
