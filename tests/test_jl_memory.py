@@ -119,9 +119,9 @@ def test_default_peak_memory_is_within_twice_the_non_private_step(monkeypatch):
     step = harness.variant_step(JL(1.0, 1.0, 256 / 60000, 60000, projections=10), model, x, y, 0.01)
     step()
     peak = harness.live_peak_mb(step)
-    # 2.25x since the sums are float64 (fastdp.ops.summation: 4 more bytes per parameter; 1.88x before): the 2x
-    # target of issue 19 is missed by that until the release frees the float64 sums as it casts them
-    assert peak <= 2.25 * nonprivate, (peak, nonprivate)
+    # 1.95x: the sums are float64 (fastdp.ops.summation: 4 more bytes per parameter than the 1.88x before), their
+    # noise drawn through a small float32 buffer (a float32 copy of every sum at once made it 2.20x)
+    assert peak <= 2.0 * nonprivate, (peak, nonprivate)
 
 
 def test_memory_options_are_checked():

@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 import fastdp
-from fastdp.ops import add_noise_, noisy_sgd_step_
+from fastdp.ops import add_noise_, add_noise_at_, noisy_sgd_step_
 from fastdp.ref import noise as ref
 from tests.conftest import TOL
 
@@ -190,6 +190,37 @@ def test_noise_independent_of_launch_split(device_backend):
     add_noise_(mixed, [1.0, 1.0, 1.0], seed=4, offset=4)
     assert torch.equal(all_fp32[0], mixed[0]) and torch.equal(all_fp32[2], mixed[2])
     torch.testing.assert_close(mixed[1].float(), all_fp32[1], **TOL[torch.float32])
+
+
+def test_add_noise_at_draws_the_whole_lists_values(device_backend):
+    """add_noise_at_ at a tensor's stream start, or at a multiple of 4 inside it, gives add_noise_'s values for that
+    tensor or piece, bit for bit, whatever the other tensors of the call."""
+    device, _ = device_backend
+    sizes, stds = [70_001, 5, 16_385, 3], [1.0, 0.5, 2.0, 0.25]
+    whole = [torch.zeros(n, device=device) for n in sizes]
+    add_noise_(whole, stds, seed=9, offset=2**33 + 1, num_draws=4)
+    starts = ref.stream_starts(sizes)
+    parts = [torch.zeros(n, device=device) for n in sizes]
+    add_noise_at_([parts[2], parts[0]], [stds[2], stds[0]], [starts[2], starts[0]], 9, 2**33 + 1)
+    add_noise_at_(parts[1], stds[1], [starts[1]], 9, 2**33 + 1)
+    pieces = [parts[3][:0], parts[3]]  # an empty piece is a no-op
+    add_noise_at_(pieces, [stds[3], stds[3]], [starts[3], starts[3]], 9, 2**33 + 1)
+    assert all(torch.equal(a, b) for a, b in zip(whole, parts, strict=True))
+    inside = torch.zeros(1000, device=device)
+    add_noise_at_([inside[:400], inside[400:]], stds[0], [starts[0] + 40_000, starts[0] + 40_400], 9, 2**33 + 1)
+    assert torch.equal(inside, whole[0][40_000:41_000])
+
+
+@pytest.mark.parametrize(
+    ("starts", "match"),
+    [([2], "multiple of 4"), ([-4], "int >= 0"), ([4.0], "int >= 0"), ([True], "int >= 0"), ([0, 4], "one start"),
+     ([2**62], "2\\*\\*62")],
+)  # fmt: skip
+def test_add_noise_at_refuses_bad_starts(starts, match):
+    g = torch.zeros(8)
+    with pytest.raises(ValueError, match=match):
+        add_noise_at_([g], 1.0, starts, 1, 1)
+    assert not g.any()
 
 
 def test_single_one_element_tensor(device_backend):

@@ -487,3 +487,31 @@ def test_an_empty_batch_of_a_model_that_cannot_run_on_zero_rows_releases_zero_su
         model, Batch(torch.randn(0, 2, 6, 6), torch.zeros(0, dtype=torch.long), torch.ones(0, dtype=torch.bool)), 0
     )
     assert all(s.dtype == F64 and not s.any() for s in sums) and float(loss) == 0
+
+
+@pytest.mark.parametrize("block", [4, 12, 1 << 16])
+def test_float64_sums_get_the_noise_of_one_whole_draw(monkeypatch, block):
+    """The release draws float64 sums' noise through one small float32 buffer, a piece at a time (the step's memory:
+    tests/test_jl_memory.py): every element gets the value add_noise_ of the whole list gives it (drawn in float32,
+    added in float64), for any buffer size; float32 sums in the same list are noised in place as before."""
+    from fastdp.algorithms import base
+    from fastdp.ops import add_noise_
+    from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
+
+    monkeypatch.setattr(base, "NOISE_BLOCK", block)
+    shapes = [(7, 5), (3,), (1,), (0,), (11, 2), (9,), (6,)]
+    wide = [True, True, False, True, True, False, True]
+    stds = [0.5, 2.0, 1.0, 3.0, 0.0, 0.25, 1.5]
+    dtypes = [torch.float64 if w else torch.float32 for w in wide]
+    sums = [torch.full(s, 0.125, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+    sums[4] = torch.full((2, 11), 0.125, dtype=torch.float64).T  # strided: noised in row-major (stream) order
+    sums[0] = torch.arange(35, dtype=torch.float64).reshape(5, 7).T
+    drawn = [torch.zeros(s) if w else t.clone() for s, w, t in zip(shapes, wide, sums, strict=True)]
+    seed, offset = PrivacyKeys(5).noise_key(3)
+    add_noise_(drawn, stds, seed=seed, offset=offset, num_draws=NOISE_DRAWS)
+    expected = [t + d if w else d for t, d, w in zip(sums, drawn, wide, strict=True)]
+    base._add_noise(sums, stds, PrivacyKeys(5), 3)
+    for got, want in zip(sums, expected, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.equal(sums[4], torch.full((11, 2), 0.125, dtype=torch.float64))  # std 0 adds nothing
+    assert not sums[0].is_contiguous() and sums[0].stride() == (1, 7)  # written in place

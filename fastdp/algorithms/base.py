@@ -34,9 +34,10 @@ from fastdp.nn.ghost import GhostClipping, output_gradients
 from fastdp.nn.layers import SummedLayer, own_trainable
 from fastdp.nn.rows import RowProbe, row_functional
 from fastdp.nn.validate import BufferWatch, check_parameter_dtypes
-from fastdp.ops import OptimizerUpdate, add_noise_, release_, summation
+from fastdp.ops import OptimizerUpdate, add_noise_, add_noise_at_, release_, summation
 from fastdp.ops.summation import CompensatedSum
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
+from fastdp.ref.noise import stream_starts
 
 # Training precisions: the autocast dtype of the model's forward (and thereby its backward); None is plain fp32.
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -598,14 +599,50 @@ def _add_noise(sums: list[torch.Tensor], stds: list[float], keys: PrivacyKeys, s
     if not any(wide):
         add_noise_(sums, stds, seed=seed, offset=offset, num_draws=NOISE_DRAWS)
         return
-    # float64 sums (fastdp.ops.summation): the noise drawn by the float32 kernel into float32 buffers (in place, the
-    # same stream), then added in float64, before any cast: no float64 draws (the reference's, several passes)
-    drawn = [torch.zeros(s.shape, dtype=torch.float32, device=s.device) if w else s for s, w in zip(sums, wide,
-             strict=True)]  # fmt: skip
-    add_noise_(drawn, stds, seed=seed, offset=offset, num_draws=NOISE_DRAWS)
-    for s, d, w in zip(sums, drawn, wide, strict=True):
-        if w:
-            s.add_(d)
+    # float64 sums (fastdp.ops.summation): their noise drawn by the float32 kernel (no float64 draws: the
+    # reference's, several passes), then added in float64 before any cast. Each element takes its own place in the
+    # stream of the whole list (add_noise_at_), so the values are add_noise_'s whatever the pieces; the pieces go
+    # through one float32 buffer of NOISE_BLOCK elements or 1/64 of the sums, whichever is larger (a float32 copy of
+    # every sum held at once made DP-SGD-JL's release the step's peak: tests/test_jl_memory.py)
+    starts = stream_starts([s.numel() for s in sums])
+    narrow = [t for t, w in enumerate(wide) if not w]
+    if narrow:
+        add_noise_at_([sums[t] for t in narrow], [stds[t] for t in narrow], [starts[t] for t in narrow], seed,
+                      offset, NOISE_DRAWS)  # fmt: skip
+    dense = {t: sums[t] if sums[t].is_contiguous() else sums[t].contiguous() for t, w in enumerate(wide) if w}
+    wide_sums = [(d.view(-1), stds[t], starts[t]) for t, d in dense.items()]
+    total = sum(flat.numel() for flat, _, _ in wide_sums)
+    block = max(NOISE_BLOCK, (total // 64 + 3) // 4 * 4)  # a multiple of 4: every piece starts where a draw does
+    buffer = torch.empty(min(block, total), dtype=torch.float32, device=sums[0].device)
+    group: list[tuple[torch.Tensor, float, int]] = []
+    used = 0
+    for flat, std, start in wide_sums:
+        for k in range(0, flat.numel(), block):
+            piece = flat[k : k + block]
+            if used + piece.numel() > block:
+                _add_drawn(group, buffer, seed, offset)
+                group, used = [], 0
+            group.append((piece, std, start + k))
+            used += piece.numel()
+    if group:
+        _add_drawn(group, buffer, seed, offset)
+    for t, d in dense.items():
+        if d is not sums[t]:  # a strided sum (e.g. a transposed GEMM's): its elements in row-major stream order
+            sums[t].copy_(d)
+
+
+NOISE_BLOCK = 1 << 16  # float32 elements of the buffer float64 sums' noise is drawn through, at least
+
+
+def _add_drawn(group: list[tuple[torch.Tensor, float, int]], buffer: torch.Tensor, seed: int, offset: int) -> None:
+    """Draw each (float64 piece, std, stream start)'s noise into its part of ``buffer`` and add it to the piece."""
+    drawn, at = [], 0
+    for piece, _, _ in group:
+        drawn.append(buffer[at : at + piece.numel()].zero_())
+        at += piece.numel()
+    add_noise_at_(drawn, [std for _, std, _ in group], [start for _, _, start in group], seed, offset, NOISE_DRAWS)
+    for (piece, _, _), d in zip(group, drawn, strict=True):
+        piece.add_(d)
 
 
 def draw_eagerly(fn):

@@ -42,7 +42,7 @@ one layer's tangents (float64) and that layer's working set for a block of examp
 (``layer_plan``): the chunk (tangents a layer projects at once) and the block (examples at once), each at least 1.
 The budget is ``memory_budget`` times the step's reference memory R (parameters + every DP layer's saved input A and
 output gradient G: about what a non-private step keeps alive), at least 4 MiB; ``memory_budget_bytes`` gives it in
-bytes, ``chunk`` fixes the chunk for every layer. Default 0.5: bench_jl's MLP at batch 256 peaks at 1.88x its
+bytes, ``chunk`` fixes the chunk for every layer. Default 0.5: bench_jl's MLP at batch 256 peaks at 1.94x its
 non-private step for any r, as DP-SGD does (it was 14x at r = 10 with the whole model's tangents drawn 8 at a time),
 its CNN at 1.17x (was 3.3x); ``docs/variant-jl.md``. The chunk is not a privacy or math setting: the tangents, the
 order in which P's columns are summed over layers and the bounds' validity are the same for every chunk. Bit for
@@ -88,33 +88,12 @@ from fastdp.algorithms.base import (
 )
 from fastdp.algorithms.dpsgd import GhostBackward, dp_layers, ghost_backward
 from fastdp.nn import check_supported, convert
-from fastdp.ops import rounding_gamma, summation
+from fastdp.ops import add_noise_at_, rounding_gamma, summation
 from fastdp.privacy.jl import jl_z_floor
 from fastdp.privacy.rng import NOISE_DRAWS, PrivacyKeys
 from fastdp.ref.noise import stream_starts
 
 NORM_EPS = 1e-6  # in the clip factor's denominator, as in DP-SGD
-
-
-def _draw_at(tangents: list[torch.Tensor], starts: list[int], seed: int, offset: int) -> None:
-    """Add N(0, 1) (4-draw sums) to each of ``tangents`` (zeros, contiguous), tensor t taking the noise stream's
-    elements ``starts[t] ..`` under ``(seed, offset)`` (``fastdp.ref.noise``: an element's draw depends only on the
-    key, the counter and its stream index). This is ``fastdp.ops.add_noise_`` of the whole parameter list restricted
-    to some of its tensors, so one layer's tangents are drawn without the others'. The ops' kernels take explicit
-    stream starts; ``add_noise_`` numbers its list from 0, hence the direct call."""
-    from fastdp import _backend
-    from fastdp.ops import noise as noise_ops
-
-    work = [t for t in range(len(tangents)) if tangents[t].numel()]
-    if not work:
-        return
-    backend = _backend.select("noise", tangents[work[0]].device.type)
-    for dtype in dict.fromkeys(tangents[t].dtype for t in work):
-        group = [t for t in work if tangents[t].dtype == dtype]
-        kernel = noise_ops._kernel(backend if dtype in noise_ops._KERNEL_DTYPES else "torch")
-        with torch.no_grad():
-            kernel([tangents[t] for t in group], [], [1.0] * len(group), [starts[t] for t in group], seed, offset,
-                   NOISE_DRAWS, 0.0)  # fmt: skip
 
 
 def _tangents_of(
@@ -134,7 +113,7 @@ def _tangents_of(
     for j in range(count):
         draws = [torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
                              device=p.device) for p in chosen]  # fmt: skip
-        _draw_at(draws, [starts[k] for k in which], seed, base + first + j)
+        add_noise_at_(draws, 1.0, [starts[k] for k in which], seed, base + first + j, NOISE_DRAWS)
         for held, drawn, p in zip(out, draws, chosen, strict=True):
             held[j].copy_(drawn.to(p.dtype))
     return out

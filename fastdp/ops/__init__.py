@@ -1,7 +1,7 @@
 """fastdp's ``torch.library`` ops (namespace ``torch.ops.fastdp``) and their Python entry points."""
 
 from fastdp.ops.clip import clip_gradient, clip_rows
-from fastdp.ops.noise import OptimizerUpdate, add_noise_, noisy_sgd_step_, release_
+from fastdp.ops.noise import OptimizerUpdate, add_noise_, add_noise_at_, noisy_sgd_step_, release_
 from fastdp.ops.norms import (
     certified_conv_ghost_norm_sq,
     certified_ghost_norm_sq,
@@ -31,6 +31,7 @@ from fastdp.ops.spectral import (
 __all__ = [
     "OptimizerUpdate",
     "add_noise_",
+    "add_noise_at_",
     "bjorck_orthonormalize",
     "certified_bjorck_step",
     "certified_norm_cholesky",

@@ -43,7 +43,7 @@ from fastdp import _backend, _ext
 from fastdp.privacy.rng import NOISE_DRAWS, SEED_BITS, os_entropy_seed
 from fastdp.ref import noise as ref
 
-__all__ = ["OptimizerUpdate", "add_noise_", "noisy_sgd_step_", "release_"]
+__all__ = ["OptimizerUpdate", "add_noise_", "add_noise_at_", "noisy_sgd_step_", "release_"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPES = (*_KERNEL_DTYPES, torch.float64)
@@ -174,15 +174,17 @@ def _apply(
     offset: int,
     num_draws: int,
     step: float,
+    starts: Sequence[int] | None = None,
 ) -> None:
-    """Validate, then run the selected backend per dtype on contiguous buffers."""
+    """Validate, then run the selected backend per dtype on contiguous buffers. ``starts``: each tensor's first
+    element in the noise stream (default: the list numbered from 0, ``fastdp.ref.noise.stream_starts``)."""
     _check(grads, params, stds)
     _check_memory(grads, params)
     _check_seed(seed, offset)
     if num_draws not in (1, SECURE_DRAWS):
         raise ValueError(f"fastdp noise: num_draws must be 1 or {SECURE_DRAWS}, got {num_draws}")
     fused = bool(params)
-    starts = ref.stream_starts([g.numel() for g in grads])
+    starts = ref.stream_starts([g.numel() for g in grads]) if starts is None else starts
     # std = 0 adds nothing: skip (an exact no-op, also for -0.0 entries).
     work = [t for t, g in enumerate(grads) if g.numel() and (fused or stds[t] != 0.0)]
     if not work:
@@ -340,6 +342,38 @@ def add_noise_(
     _check(grads, [], stds)  # here too: a meta tensor in the list would dispatch past the kernel's check
     with torch.no_grad():
         torch.ops.fastdp.add_noise_(grads, stds, seed, offset, num_draws)
+
+
+def add_noise_at_(
+    tensors: Sequence[torch.Tensor], stds: Sequence[float] | float, starts: Sequence[int], seed: int, offset: int,
+    num_draws: int = SECURE_DRAWS,
+) -> None:  # fmt: skip
+    """Add N(0, stds[t]^2) to ``tensors[t]``, in place, tensor t taking the noise stream's elements ``starts[t]``,
+    ``starts[t] + 1``, ... under ``(seed, offset)``: what :func:`add_noise_` of a longer list draws for some of its
+    tensors or for a piece of one (an element's draw depends only on the key, the counter and its stream index;
+    ``fastdp.ref.noise.stream_starts`` numbers a list). So one layer's part of a draw, or a large draw a block at a
+    time through a small buffer, gets the values of the whole draw. Eager only (no ``torch.library`` op).
+
+    Args:
+        tensors: as ``grads`` of :func:`add_noise_`.
+        stds: one std per tensor, or one for all.
+        starts: one stream index per tensor, each a multiple of 4 (where a tensor of the numbered list starts, plus
+            a multiple of 4 inside it) and >= 0.
+        seed, offset: the key and counter, each in [0, 2**63).
+        num_draws: 1 or 4 (default: 4, the release's draws).
+    """
+    tensors = _as_list(tensors, "tensors")
+    stds = _as_stds(stds, len(tensors))
+    starts = list(starts)
+    if len(starts) != len(tensors):
+        raise ValueError(f"fastdp noise: {len(tensors)} tensors but {len(starts)} starts; pass one start per tensor")
+    for t, start in enumerate(starts):
+        if isinstance(start, bool) or not isinstance(start, numbers.Integral) or start < 0 or start % 4:
+            raise ValueError(f"fastdp noise: starts[{t}] is {start!r}; a stream start is an int >= 0, a multiple "
+                             "of 4 (fastdp.ref.noise.stream_starts)")  # fmt: skip
+        if start + tensors[t].numel() > ref.MAX_STREAM_ELEMENTS:
+            raise ValueError(f"fastdp noise: tensors[{t}] ends past the stream's 2**62 elements")
+    _apply(tensors, [], stds, seed, offset, num_draws, 0.0, [int(s) for s in starts])
 
 
 def noisy_sgd_step_(
