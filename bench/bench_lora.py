@@ -71,13 +71,14 @@ def main() -> None:
         model = lora_gpt2(args.layers, args.width, args.vocab, args.seq, args.rank).to(device)
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
         loader = DataLoader(TensorDataset(torch.zeros(100 * args.batch, 1)), batch_size=args.batch)
-        model, optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
-            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0
-        )
+        model, optimizer, criterion, _ = PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            criterion=token_losses, grad_sample_mode="ghost",
+        )  # fmt: skip
 
         def step():
             optimizer.zero_grad(set_to_none=True)
-            token_losses(model(input_ids=ids).logits, ids).mean().backward()
+            criterion(model(input_ids=ids).logits, ids).backward()  # the batch's mean loss (fastdp.engine.DPLoss)
             optimizer.step()
 
         return step

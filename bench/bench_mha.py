@@ -53,13 +53,14 @@ def main() -> None:
         private = model()
         optimizer = torch.optim.SGD(private.parameters(), lr=lr)
         loader = DataLoader(TensorDataset(torch.zeros(100 * args.batch, 1)), batch_size=args.batch)
-        private, optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
-            module=private, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, max_grad_norm=clip
-        )
+        private, optimizer, criterion, _ = PrivacyEngine(accountant="rdp").make_private(
+            module=private, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, max_grad_norm=clip,
+            criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
+        )  # fmt: skip
 
         def step():
             optimizer.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(private(x), y).backward()
+            criterion(private(x), y).backward()  # the batch's mean cross-entropy (fastdp.engine.DPLoss)
             optimizer.step()
 
         return step

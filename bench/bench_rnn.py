@@ -63,8 +63,10 @@ def make_step(provider: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
             from fastdp import PrivacyEngine
 
             engine = PrivacyEngine(accountant="rdp")
-            module, optimizer, _ = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                                       noise_multiplier=SIGMA, max_grad_norm=CLIP)  # fmt: skip
+            module, optimizer, criterion, _ = engine.make_private(module=model, optimizer=optimizer,
+                                                                  data_loader=loader, noise_multiplier=SIGMA,
+                                                                  max_grad_norm=CLIP, criterion=criterion,
+                                                                  grad_sample_mode="ghost")  # fmt: skip
         else:
             from opacus import PrivacyEngine
 

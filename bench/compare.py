@@ -4,15 +4,15 @@ Providers, on the same model, batch and DP settings (clip C = 1, noise multiplie
 workload's shape, seeds fixed): ``nonprivate`` (torch), ``opacus-hooks`` and ``opacus-ghost`` (Opacus), the fastdp
 variants that apply to the workload — ``fastdp-dpsgd`` (DP-SGD through the variant API, ``DPSGD.gradient``),
 ``fastdp-frontdoor`` (the same DP-SGD through ``fastdp.PrivacyEngine``: ``make_private`` once, then the user's
-ordinary loop, forward, criterion (mean cross-entropy), ``loss.backward()``, ``optimizer.step()``,
-``optimizer.zero_grad()``; the same expected batch size, hence the same noise std, as fastdp-dpsgd; every workload
-fastdp-dpsgd runs), ``fastdp-jl`` (r = --jl-projections), ``fastdp-backprop`` (models of Linear/Conv2d layers only),
-``fastdp-clipless`` and ``fastdp-weightclip`` (on the Lipschitz twin of the model: the same shapes with Lipschitz
-layers; weightclip needs clip-projected LipschitzLinear layers, so MLPs only) — and ``tf-privacy`` (its
-VectorizedDPKerasSGDOptimizer with one microbatch per example, in the venv that ``make bench-tf`` creates; skipped
+ordinary loop, forward, the criterion make_private returns (mean cross-entropy), ``loss.backward()``,
+``optimizer.step()``, ``optimizer.zero_grad()``; the same expected batch size, hence the same noise std, as
+fastdp-dpsgd; every workload fastdp-dpsgd runs), ``fastdp-jl`` (r = --jl-projections), ``fastdp-backprop`` (models of
+Linear/Conv2d layers only), ``fastdp-clipless`` and ``fastdp-weightclip`` (on the Lipschitz twin of the model: the same
+shapes with Lipschitz layers; weightclip needs clip-projected LipschitzLinear layers, so MLPs only) — and ``tf-privacy``
+(its VectorizedDPKerasSGDOptimizer with one microbatch per example, in the venv that ``make bench-tf`` creates; skipped
 with a message when that venv is absent). One step = forward, backward, the provider's clipping or bounds, noise,
-optimizer update (and the projection of the Lipschitz variants). bench/bench_frontdoor.py times the front door
-against the variant API interleaved in one process (paired rounds), for its overhead alone.
+optimizer update (and the projection of the Lipschitz variants). bench/bench_frontdoor.py times the front door against
+the variant API interleaved in one process (paired rounds), for its overhead alone.
 
 Each (provider, workload) runs in a fresh subprocess (``compare.py --worker JOB``; ``compare_tf.py`` for
 tf-privacy), so import side effects, allocator caches and peak-memory counters never leak from one library into
@@ -258,13 +258,14 @@ def frontdoor_step(model, x, y, num_examples: int, micro_batch: int | None = Non
                    noise_multiplier: float | None = None, lr: float | None = None,
                    reproducible_seed: int | None = None):  # fmt: skip
     """A closure running one DP-SGD step of ``model`` on (x, y) through fastdp's front door, as a user writes it:
-    ``PrivacyEngine.make_private`` once (here), then forward, criterion (mean cross-entropy), ``loss.backward()``,
-    ``optimizer.step()``, ``optimizer.zero_grad()``. Clip norm, noise multiplier and lr are bench_dpsgd's unless given;
-    the loader's batch size is the batch, so the expected batch size (what the noisy sum is divided by) and the
-    noise std are the variant API's (fastdp-dpsgd). With ``micro_batch``, (x, y) is one logical batch walked by
-    ``fastdp.engine.BatchMemoryManager`` in physical batches of that many rows (every step but the last skipped, its
-    clipped sums kept; one release), as an Opacus script does. ``reproducible_seed``: for tests only (NOT FOR
-    RELEASE); the benchmark's noise is keyed by OS entropy, as the variant API's."""
+    ``PrivacyEngine.make_private`` once (here, with ``criterion`` and ``grad_sample_mode="ghost"``, as for Opacus'
+    ghost clipping), then forward, the criterion it returns (mean cross-entropy: ``fastdp.engine.DPLoss``),
+    ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``. Clip norm, noise multiplier and lr are
+    bench_dpsgd's unless given; the loader's batch size is the batch, so the expected batch size (what the noisy sum
+    is divided by) and the noise std are the variant API's (fastdp-dpsgd). With ``micro_batch``, (x, y) is one logical
+    batch walked by ``fastdp.engine.BatchMemoryManager`` in physical batches of that many rows (every step but the last
+    skipped, its clipped sums kept; one release), as an Opacus script does. ``reproducible_seed``: for tests only (NOT
+    FOR RELEASE); the benchmark's noise is keyed by OS entropy, as the variant API's."""
     import bench_dpsgd
     import torch
     from torch.utils.data import DataLoader
@@ -275,11 +276,10 @@ def frontdoor_step(model, x, y, num_examples: int, micro_batch: int | None = Non
     sigma = bench_dpsgd.SIGMA if noise_multiplier is None else noise_multiplier
     optimizer = torch.optim.SGD(model.parameters(), lr=bench_dpsgd.LR if lr is None else lr)
     loader = DataLoader(SizedData(num_examples), batch_size=x.shape[0])
-    private, optimizer, _ = PrivacyEngine(accountant="rdp").make_private(
+    private, optimizer, criterion, _ = PrivacyEngine(accountant="rdp").make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, max_grad_norm=bench_dpsgd.CLIP,
-        reproducible_seed=reproducible_seed,
+        reproducible_seed=reproducible_seed, criterion=torch.nn.CrossEntropyLoss(), grad_sample_mode="ghost",
     )  # fmt: skip
-    criterion = torch.nn.CrossEntropyLoss()
     logical = [(x, y)]  # one logical batch per step (a Poisson loader would give a new one each time)
 
     def train(batches) -> None:

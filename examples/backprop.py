@@ -64,21 +64,21 @@ def main() -> None:
     )  # fmt: skip
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     engine = PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_with_epsilon(
+    model, optimizer, criterion, loader = engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x_train, y_train), args.batch_size),
         target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs,
         variant="backprop", input_clip=args.input_clip, grad_clip=args.grad_clip,
+        criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",  # any loss: C2 bounds the gradient passed on
     )  # fmt: skip
     print(f"{len(x_train)} training images, noise multiplier {optimizer.noise_multiplier:.3f}, "
           f"{len(loader)} steps per epoch")  # fmt: skip
 
-    criterion = nn.CrossEntropyLoss()  # any loss: C2 bounds the gradient each layer passes on
     for epoch in range(1, args.epochs + 1):
         model.train()
         losses = []
         for x, y in loader:
             optimizer.zero_grad()
-            loss = criterion(model(x), y)
+            loss = criterion(model(x), y)  # the mean over the batch's examples (fastdp.engine.DPLoss)
             loss.backward()  # leaves the loss's gradient at the model's output
             optimizer.step()  # the clipping backward, noise per tensor, Adam's step, accounting
             if len(y):

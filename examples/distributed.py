@@ -72,11 +72,11 @@ def main() -> None:
     loader = DataLoader(train, batch_size=args.batch_size)
 
     engine = PrivacyEngine(accountant="pld" if args.variant == "jl" else "rdp")
-    model, optimizer, loader = engine.make_private(
+    model, optimizer, criterion, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=args.noise_multiplier,
+        criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",  # its returned criterion: fastdp.engine.DPLoss
         variant=args.variant, reproducible_seed=args.reproducible_seed, **BOUNDS[args.variant],
     )  # fmt: skip
-    criterion = nn.CrossEntropyLoss()
     for _ in range(args.epochs):
         batches = loader
         if args.max_physical_batch_size:

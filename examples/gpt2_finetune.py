@@ -119,9 +119,10 @@ def main() -> None:
     before = test_loss()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     engine = PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_with_epsilon(
+    model, optimizer, criterion, loader = engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=DataLoader(train_set, batch_size=args.batch_size),
         target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs, max_grad_norm=1.0,
+        criterion=per_example_loss, grad_sample_mode="ghost",
     )  # fmt: skip
     print(f"{n_train} training sentences, noise multiplier {optimizer.noise_multiplier:.3f}, {len(loader)} steps per "
           f"epoch; test loss before training {before:.3f}")  # fmt: skip
@@ -132,7 +133,7 @@ def main() -> None:
         for batch_ids, batch_mask in loader:
             optimizer.zero_grad()
             logits = model(input_ids=batch_ids, attention_mask=batch_mask).logits  # no labels=: our own loss
-            loss = per_example_loss(logits, batch_ids, batch_mask).mean()  # the mean over the batch's examples
+            loss = criterion(logits, batch_ids, batch_mask)  # the mean over the batch's examples (DPLoss)
             loss.backward()
             optimizer.step()  # clip each example's gradient to 1, add the noise once, Adam's step, account
             if len(batch_ids):

@@ -68,20 +68,20 @@ def main() -> None:
     loader = DataLoader(train_set, batch_size=args.batch_size)
 
     engine = PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_with_epsilon(
+    model, optimizer, criterion, loader = engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=loader,
         target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
+        criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",  # Opacus' ghost clipping idiom: the loss, wrapped
     )  # fmt: skip
     print(f"{name}: {len(train_set)} training images, noise multiplier {optimizer.noise_multiplier:.3f}, "
           f"{len(loader)} steps per epoch")  # fmt: skip
 
-    criterion = nn.CrossEntropyLoss()  # the mean over the batch's examples (loss_reduction="mean", the default)
     for epoch in range(1, args.epochs + 1):
         model.train()
         losses = []
         for x, y in loader:  # Poisson batches: each example joins with probability batch_size / N (may be empty)
             optimizer.zero_grad()
-            loss = criterion(model(x), y)
+            loss = criterion(model(x), y)  # the mean over the batch's examples (loss_reduction="mean", the default)
             loss.backward()  # records each layer's input and output gradient: per-example norms, no per-example grads
             optimizer.step()  # clips each example to C, adds the noise once, steps SGD, records the step's privacy
             if len(y):

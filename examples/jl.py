@@ -55,17 +55,16 @@ def main() -> None:
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     engine = PrivacyEngine(accountant="pld")  # JL's privacy loss has no useful RDP bound
-    model, optimizer, loader = engine.make_private_with_epsilon(
+    model, optimizer, criterion, loader = engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x_train, y_train), args.batch_size),
         target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
-        variant="jl", projections=args.projections,
+        variant="jl", projections=args.projections, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
     )  # fmt: skip
     # for comparison only: the noise DP-SGD (exact norms) would need for the same target, from the same accountant
     exact = get_noise_multiplier(args.epsilon, args.delta, loader.sample_rate, args.epochs * len(loader), "pld")
     print(f"{len(x_train)} training images, {len(loader)} steps per epoch; noise multiplier "
           f"{optimizer.noise_multiplier:.3f} with r = {args.projections} (DP-SGD: {exact:.3f})")  # fmt: skip
 
-    criterion = nn.CrossEntropyLoss()
     for epoch in range(1, args.epochs + 1):
         model.train()
         losses = []

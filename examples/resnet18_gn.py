@@ -88,15 +88,15 @@ def main() -> None:
     assert fastdp.nn.validate(model) == []  # what make_private would refuse: nothing now (before fix: 20 BatchNorms)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     engine = PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_with_epsilon(
+    model, optimizer, criterion, loader = engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x_train, y_train), args.batch_size),
         target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs, max_grad_norm=1.0,
+        criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
     )  # fmt: skip
     parameters = sum(p.numel() for p in model.parameters())
     print(f"ResNet-18-GN, {parameters / 1e6:.1f}M parameters; {len(x_train)} training images, noise multiplier "
           f"{optimizer.noise_multiplier:.3f}, {len(loader)} steps per epoch")  # fmt: skip
 
-    criterion = nn.CrossEntropyLoss()
     for epoch in range(1, args.epochs + 1):
         model.train()
         losses = []

@@ -72,10 +72,10 @@ def main() -> None:
     criterion = TauCrossEntropy()  # per-example cross-entropy, Lipschitz sqrt(2) in the logits
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     engine = PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_with_epsilon(
+    model, optimizer, criterion, loader = engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x_train, y_train), args.batch_size),
         target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs,
-        variant="weightclip", criterion=criterion, noise_strategy="global",
+        variant="weightclip", criterion=criterion, grad_sample_mode="ghost", noise_strategy="global",
     )  # fmt: skip
     print(f"{len(x_train)} training images, noise multiplier {optimizer.noise_multiplier:.3f}, "
           f"{len(loader)} steps per epoch")  # fmt: skip
@@ -85,7 +85,7 @@ def main() -> None:
         losses = []
         for x, y in loader:
             optimizer.zero_grad()
-            loss = criterion(model(x), y).mean()
+            loss = criterion(model(x), y)  # the mean over the batch's examples (fastdp.engine.DPLoss)
             loss.backward()  # leaves the loss's gradient at the model's output
             optimizer.step()  # one backward through the model, noise from the bounds, Adam, clip the weights
             if len(y):

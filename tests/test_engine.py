@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from fastdp import PrivacyEngine
 from fastdp.algorithms import DPSGD, JL, Batch
 from fastdp.algorithms.base import trainable_parameters
+from fastdp.engine import DPLoss
 from fastdp.engine.data import empty_like_batch
 from fastdp.nn import UnsupportedLayerError
 
@@ -28,31 +29,42 @@ def _data(n=40, seed=1):
 
 
 def _private(model, x, y, batch_size=10, lr=1.0, **kwargs):
+    """(engine, model, optimizer, loader), or with ``grad_sample_mode="ghost"`` (engine, model, optimizer, criterion,
+    loader): the engine, then what make_private returned."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
     engine = PrivacyEngine(accountant=kwargs.pop("accountant", "rdp"))
     kwargs.setdefault("noise_multiplier", 0.8)
     kwargs.setdefault("max_grad_norm", 0.5)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                             reproducible_seed=SEED, **kwargs)  # fmt: skip
-    return engine, model, opt, loader
+    made = engine.make_private(module=model, optimizer=opt, data_loader=loader, reproducible_seed=SEED, **kwargs)
+    return (engine, *made)
 
 
 def _step(model, opt, x, y, reduction="mean"):
+    """One step: under "mean" the loss from fastdp's DP criterion (a plain batch mean is refused), under "sum" the
+    summed cross-entropy."""
     opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(x), y, reduction=reduction)
+    if reduction == "mean":
+        loss = DPLoss(nn.functional.cross_entropy, model)(model(x), y)
+    else:
+        loss = nn.functional.cross_entropy(model(x), y, reduction=reduction)
     loss.backward()
     opt.step()
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_the_released_update_equals_the_variant_apis_for_the_same_batch_and_key(reduction):
+    """Under "mean" Opacus' ghost-clipping idiom (make_private returns the criterion), under "sum" a summed loss."""
     x, y = _data()
     xb, yb = x[:9], y[:9]
-    _, model, opt, _ = _private(_mlp(), x, y, loss_reduction=reduction)
+    if reduction == "mean":
+        _, model, opt, criterion, _ = _private(_mlp(), x, y, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost")
+    else:
+        _, model, opt, _ = _private(_mlp(), x, y, loss_reduction=reduction)
+        criterion = nn.CrossEntropyLoss(reduction="sum")
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(xb), yb, reduction=reduction)
+    loss = criterion(model(xb), yb)
     loss.backward()
     assert all(p.grad is None for p in model.parameters())  # one backward, no weight gradient formed by it
     opt.step()
@@ -102,11 +114,10 @@ def test_an_opacus_style_script_trains_and_reports_epsilon_within_its_target():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loader = DataLoader(TensorDataset(x, y), batch_size=60)
     engine = PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private_with_epsilon(
+    model, optimizer, criterion, loader = engine.make_private_with_epsilon(
         module=model, optimizer=optimizer, data_loader=loader, target_epsilon=4.0, target_delta=1e-4, epochs=4,
-        max_grad_norm=1.0,
+        max_grad_norm=1.0, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
     )  # fmt: skip
-    criterion = nn.CrossEntropyLoss()
     for _ in range(4):
         for xb, yb in loader:
             optimizer.zero_grad()
@@ -159,14 +170,15 @@ def test_dict_batches_with_padding_and_ignore_index_equal_the_variant_api():
     model = _TinyLM()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     engine = PrivacyEngine(accountant="rdp")
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=6),
-                                             noise_multiplier=0.5, max_grad_norm=0.7,
-                                             reproducible_seed=SEED)  # fmt: skip
+    model, opt, criterion, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=6), noise_multiplier=0.5,
+        max_grad_norm=0.7, reproducible_seed=SEED, criterion=_token_losses, grad_sample_mode="ghost",
+    )  # fmt: skip
     batch = next(b for b in loader if len(b["input_ids"]) >= 2)
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    _token_losses(logits, batch["labels"]).mean().backward()
+    criterion(logits, batch["labels"]).backward()  # one loss per example: the mean over its own tokens
     opt.step()
     reference = _TinyLM()
     ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
@@ -314,7 +326,7 @@ def test_keyword_inputs_are_probed_too(variant):
     for mix in (False, True):
         _, model, opt, _ = _private(_DictModel(mix), x, y, variant=variant, **bounds)
         opt.zero_grad()
-        nn.functional.cross_entropy(model(features=x[:6], mask=mask[:6]), y[:6]).backward()
+        DPLoss(nn.functional.cross_entropy, model)(model(features=x[:6], mask=mask[:6]), y[:6]).backward()
         if not mix:
             opt.step()
             assert opt.accountant.steps == 1
@@ -394,22 +406,37 @@ def test_the_batch_memory_manager_gives_the_update_of_the_unsplit_logical_batch(
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_a_mean_loss_under_autocast_is_refused_and_a_summed_one_trains():
-    """bf16 rounds the mean's 1/n into every example's output gradient, and n depends on every example: refused."""
+def test_a_plain_mean_loss_is_refused_and_the_dp_criterions_mean_trains_under_autocast_too():
+    """A plain batch mean rounds the 1/n into every example's output gradient (in bf16 under autocast: ~2^-8 each), and
+    n depends on every example: refused under loss_reduction="mean", in fp32 and in bf16, before anything is released.
+    The DP criterion seeds each example's loss with 1 (no 1/n), so its bf16 backward is the summed loss's: it trains,
+    and p.grad is the summed loss's noisy sum divided by the expected batch size (10), the same key."""
     x, y = _data()
-    _, model, opt, _ = _private(_mlp(), x, y)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x[:6])
-    nn.functional.cross_entropy(out.float(), y[:6]).backward()
-    with pytest.raises(ValueError, match="loss_reduction='mean' with a backward in torch.bfloat16"):
+    for autocast in (False, True):
+        _, model, opt, _ = _private(_mlp(), x, y)
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x[:6])
+        nn.functional.cross_entropy(out.float(), y[:6]).backward()
+        with pytest.raises(ValueError, match="loss_reduction='mean' needs the loss from fastdp's DP criterion"):
+            opt.step()
+        assert opt.accountant.steps == 0
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    grads = {}
+    for reduction in ("mean", "sum"):
+        _, model, opt, _ = _private(_mlp(), x, y, loss_reduction=reduction)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x[:6])
+        if reduction == "mean":
+            loss = DPLoss(nn.functional.cross_entropy, model)(out.float(), y[:6])
+        else:
+            loss = nn.functional.cross_entropy(out.float(), y[:6], reduction="sum")
+        loss.backward()
         opt.step()
-    assert opt.accountant.steps == 0
-    _, model, opt, _ = _private(_mlp(), x, y, loss_reduction="sum")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x[:6])
-    nn.functional.cross_entropy(out.float(), y[:6], reduction="sum").backward()
-    opt.step()
-    assert opt.accountant.steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+        assert opt.accountant.steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+        grads[reduction] = [p.grad.detach().clone() for p in model.parameters()]
+    for mean, total in zip(grads["mean"], grads["sum"], strict=True):
+        torch.testing.assert_close(mean * 10, total)
 
 
 def test_a_learning_rate_scheduler_drives_the_private_optimizer():
@@ -450,8 +477,7 @@ def test_a_loss_the_model_computed_itself_is_refused_and_one_from_its_logits_tra
     assert opt.accountant.steps == 0
     opt.zero_grad()
     out = model(features=x[:8], labels=y[:8])  # labels passed, its loss only logged: fine
-    per_token = nn.functional.cross_entropy(out["logits"].transpose(1, 2), y[:8], ignore_index=-100, reduction="none")
-    loss = (per_token.sum(1) / (y[:8] != -100).sum(1)).mean()  # each example's own token mean, then the mean
+    loss = DPLoss(_token_losses, model)(out["logits"], y[:8])  # each example's own token mean, then the mean
     loss.backward()
     opt.step()
     assert opt.accountant.steps == 1 and out["loss"].item() > 0

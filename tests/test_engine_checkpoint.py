@@ -42,9 +42,10 @@ def _engine(*, seed=SEED, optimizer="sgd-momentum", model=None, n=40, batch_size
     kwargs.setdefault("noise_multiplier", 0.8)
     kwargs.setdefault("max_grad_norm", 0.5)
     loader = DataLoader(_data(n), batch_size=batch_size)
-    private, opt, loader = engine.make_private(module=model, optimizer=OPTIMIZERS[optimizer](model.parameters()),
-                                               data_loader=loader, reproducible_seed=seed, **kwargs)  # fmt: skip
-    return engine, private, opt, loader
+    private, opt, criterion, loader = engine.make_private(
+        module=model, optimizer=OPTIMIZERS[optimizer](model.parameters()), data_loader=loader,
+        reproducible_seed=seed, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost", **kwargs)  # fmt: skip
+    return engine, private, opt, criterion, loader
 
 
 def _batches(loader):
@@ -52,11 +53,11 @@ def _batches(loader):
         yield from loader
 
 
-def _train(private, opt, batches, steps):
+def _train(private, opt, criterion, batches, steps):
     for _ in range(steps):
         x, y = next(batches)
         opt.zero_grad()
-        nn.functional.cross_entropy(private(x), y).backward()
+        criterion(private(x), y).backward()
         opt.step()
 
 
@@ -67,15 +68,16 @@ def _params(private):
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path, optimizer):
     k, m = 3, 4  # m crosses an epoch boundary (4 steps per epoch)
-    engine, private, opt, loader = _engine(optimizer=optimizer)
+    engine, private, opt, criterion, loader = _engine(optimizer=optimizer)
     batches = _batches(loader)
-    _train(private, opt, batches, k)
+    _train(private, opt, criterion, batches, k)
     path = tmp_path / "run.pt"
     save_checkpoint(engine, path, module=private, optimizer=opt, data_loader=loader, extra={"epoch": 0, "k": k})
-    _train(private, opt, batches, m)  # the uninterrupted run goes on
+    _train(private, opt, criterion, batches, m)  # the uninterrupted run goes on
     uninterrupted, epsilon = _params(private), engine.get_epsilon(DELTA)
 
-    engine2, private2, opt2, loader2 = _engine(optimizer=optimizer)  # a new process: make_private again, then load
+    # a new process: make_private again, then load
+    engine2, private2, opt2, criterion2, loader2 = _engine(optimizer=optimizer)
     extra = load_checkpoint(engine2, path, module=private2, optimizer=opt2, data_loader=loader2)
     assert extra == {"epoch": 0, "k": k}
     assert opt2.steps_taken == k and engine2.accountant.steps == k
@@ -87,7 +89,7 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path, optimizer):
         assert saved[i].keys() == restored[i].keys()
         for name in saved[i]:
             assert torch.equal(torch.as_tensor(saved[i][name]), torch.as_tensor(restored[i][name])), name
-    _train(private2, opt2, _batches(loader2), m)
+    _train(private2, opt2, criterion2, _batches(loader2), m)
     for a, b in zip(uninterrupted, _params(private2), strict=True):
         assert torch.equal(a, b)  # bitwise
     assert engine2.get_epsilon(DELTA) == epsilon
@@ -125,9 +127,9 @@ def _ints_and_tensors(value, ints: list, tensors: list) -> None:
 def test_os_entropy_resume_continues_the_accountant_and_writes_no_key(tmp_path, monkeypatch, variant):
     drawn = _os_entropy_keys(monkeypatch)
     kwargs = {"variant": variant, "accountant": "pld", "projections": 10} if variant == "jl" else {}
-    engine, private, opt, loader = _engine(seed=None, **kwargs)
+    engine, private, opt, criterion, loader = _engine(seed=None, **kwargs)
     batches = _batches(loader)
-    _train(private, opt, batches, 3)
+    _train(private, opt, criterion, batches, 3)
     assert len(drawn) >= 6  # two noise key values per release (and JL's tangent keys)
     path = tmp_path / "run.pt"
     save_checkpoint(engine, path, module=private, optimizer=opt, data_loader=loader)
@@ -145,24 +147,24 @@ def test_os_entropy_resume_continues_the_accountant_and_writes_no_key(tmp_path, 
         for t in tensors:
             assert key.to_bytes(8, "little") not in t.numpy().tobytes()
 
-    engine2, private2, opt2, loader2 = _engine(seed=None, **kwargs)
+    engine2, private2, opt2, criterion2, loader2 = _engine(seed=None, **kwargs)
     load_checkpoint(engine2, path, module=private2, optimizer=opt2, data_loader=loader2)
     for a, b in zip(at_save, _params(private2), strict=True):
         assert torch.equal(a, b)
     assert opt2.steps_taken == 3 and engine2.accountant.steps == 3
-    _train(private2, opt2, _batches(loader2), 2)
+    _train(private2, opt2, criterion2, _batches(loader2), 2)
     assert opt2.steps_taken == 5 and engine2.accountant.steps == 5
 
-    uninterrupted, private3, opt3, loader3 = _engine(seed=None, **kwargs)
-    _train(private3, opt3, _batches(loader3), 5)
+    uninterrupted, private3, opt3, criterion3, loader3 = _engine(seed=None, **kwargs)
+    _train(private3, opt3, criterion3, _batches(loader3), 5)
     assert engine2.get_epsilon(DELTA) == uninterrupted.get_epsilon(DELTA)
     assert engine2.get_epsilon(DELTA) > engine.get_epsilon(DELTA)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    engine, private, opt, loader = _engine()
-    _train(private, opt, _batches(loader), 2)
+    engine, private, opt, criterion, loader = _engine()
+    _train(private, opt, criterion, _batches(loader), 2)
     path = tmp_path_factory.mktemp("ckpt") / "run.pt"
     save_checkpoint(engine, path, module=private, optimizer=opt, data_loader=loader)
     return path
@@ -183,7 +185,7 @@ def saved(tmp_path_factory):
     ],
 )
 def test_other_privacy_settings_are_refused_naming_each(saved, kwargs, named):
-    engine, private, opt, loader = _engine(**kwargs)
+    engine, private, opt, _, loader = _engine(**kwargs)
     before = _params(private)
     with pytest.raises(ValueError, match="other privacy settings") as info:
         load_checkpoint(engine, saved, module=private, optimizer=opt, data_loader=loader)
@@ -193,7 +195,7 @@ def test_other_privacy_settings_are_refused_naming_each(saved, kwargs, named):
 
 
 def test_two_differences_are_both_named(saved):
-    engine, private, opt, loader = _engine(noise_multiplier=1.5, n=60)
+    engine, private, opt, _, loader = _engine(noise_multiplier=1.5, n=60)
     with pytest.raises(ValueError) as info:
         load_checkpoint(engine, saved, module=private, optimizer=opt, data_loader=loader)
     assert "variant.noise_multiplier: 0.8 in the checkpoint, 1.5 here" in str(info.value)
@@ -201,8 +203,8 @@ def test_two_differences_are_both_named(saved):
 
 
 def test_an_engine_that_already_stepped_is_refused(saved):
-    engine, private, opt, loader = _engine()
-    _train(private, opt, _batches(loader), 1)
+    engine, private, opt, criterion, loader = _engine()
+    _train(private, opt, criterion, _batches(loader), 1)
     with pytest.raises(ValueError, match=r"already released 1 step"):
         load_checkpoint(engine, saved, module=private, optimizer=opt, data_loader=loader)
     assert engine.accountant.steps == 1 and opt.steps_taken == 1
@@ -218,7 +220,7 @@ def test_an_engine_that_already_stepped_is_refused(saved):
     ],
 )  # fmt: skip
 def test_another_model_is_refused(saved, model, named):
-    engine, private, opt, loader = _engine(model=model())
+    engine, private, opt, _, loader = _engine(model=model())
     with pytest.raises(ValueError, match="of another model") as info:
         load_checkpoint(engine, saved, module=private, optimizer=opt, data_loader=loader)
     assert re.search(named, str(info.value)), str(info.value)
@@ -229,23 +231,23 @@ def test_a_frozen_parameter_makes_another_model(saved):
     model = _mlp()
     model[2].bias.requires_grad_(False)
     with pytest.raises(ValueError, match="trainable parameters"):
-        engine, private, opt, loader = _engine(model=model)
+        engine, private, opt, _, loader = _engine(model=model)
         load_checkpoint(engine, saved, module=private, optimizer=opt, data_loader=loader)
 
 
 def test_another_optimizer_class_is_refused(saved):
-    engine, private, opt, loader = _engine(optimizer="adam")
+    engine, private, opt, _, loader = _engine(optimizer="adam")
     with pytest.raises(ValueError, match="state of a SGD optimizer, but this optimizer is a Adam"):
         load_checkpoint(engine, saved, module=private, optimizer=opt, data_loader=loader)
 
 
 def test_a_reproducible_run_needs_its_loader_and_another_engines_objects_are_refused(saved, tmp_path):
-    engine, private, opt, loader = _engine()
+    engine, private, opt, _, loader = _engine()
     with pytest.raises(ValueError, match="pass data_loader="):
         save_checkpoint(engine, tmp_path / "x.pt", module=private, optimizer=opt)
     with pytest.raises(ValueError, match="pass data_loader="):
         load_checkpoint(engine, saved, module=private, optimizer=opt)
-    other, private2, opt2, loader2 = _engine()
+    other, private2, opt2, _, loader2 = _engine()
     with pytest.raises(ValueError, match="module is not the model"):
         save_checkpoint(engine, tmp_path / "x.pt", module=private2, optimizer=opt, data_loader=loader)
     with pytest.raises(ValueError, match="optimizer is not the one"):
@@ -256,11 +258,11 @@ def test_a_reproducible_run_needs_its_loader_and_another_engines_objects_are_ref
 
 
 def test_saving_between_the_physical_batches_of_a_logical_batch_is_refused(tmp_path):
-    engine, private, opt, loader = _engine(seed=None, batch_size=20)
+    engine, private, opt, criterion, loader = _engine(seed=None, batch_size=20)
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt) as physical:
         for x, y in physical:
             opt.zero_grad()
-            nn.functional.cross_entropy(private(x), y).backward()
+            criterion(private(x), y).backward()
             opt.step()
             if opt._sums is not None:  # a skipped (virtual) step: the logical batch is not released yet
                 with pytest.raises(ValueError, match="logical batch not yet released"):
@@ -271,7 +273,7 @@ def test_saving_between_the_physical_batches_of_a_logical_batch_is_refused(tmp_p
 
 
 def test_extra_must_be_plain_and_goes_to_file_objects(tmp_path):
-    engine, private, opt, loader = _engine()
+    engine, private, opt, _, loader = _engine()
     with pytest.raises(ValueError, match="plain containers"):
         save_checkpoint(engine, tmp_path / "x.pt", module=private, optimizer=opt, data_loader=loader,
                         extra={"model": nn.Linear(2, 2)})  # fmt: skip
@@ -283,13 +285,13 @@ def test_extra_must_be_plain_and_goes_to_file_objects(tmp_path):
     save_checkpoint(engine, buffer, module=private, optimizer=opt, data_loader=loader,
                     checkpoint_dict={"epoch": 2}, extra={"rng": rng_state, "lr": [0.1, math.inf]})  # fmt: skip
     buffer.seek(0)
-    engine2, private2, opt2, loader2 = _engine()
+    engine2, private2, opt2, _, loader2 = _engine()
     extra = load_checkpoint(engine2, buffer, module=private2, optimizer=opt2, data_loader=loader2)
     assert extra["epoch"] == 2 and extra["lr"] == [0.1, math.inf] and torch.equal(extra["rng"], rng_state)
 
 
 def test_a_foreign_file_is_refused(tmp_path):
-    engine, private, opt, loader = _engine()
+    engine, private, opt, _, loader = _engine()
     torch.save({"model": {}}, tmp_path / "foreign.pt")
     with pytest.raises(ValueError, match="not a fastdp engine checkpoint"):
         load_checkpoint(engine, tmp_path / "foreign.pt", module=private, optimizer=opt, data_loader=loader)
@@ -311,14 +313,14 @@ def test_the_engines_own_methods_resume_every_variant_bitwise_opacus_style(tmp_p
 
     bounds = {"input_clip": 1.0, "grad_clip": 1.0} if variant == "backprop" else {}
     kwargs = dict(variant=variant, max_grad_norm=None, **bounds)
-    engine, private, opt, loader = _engine(model=model(), **kwargs)
+    engine, private, opt, criterion, loader = _engine(model=model(), **kwargs)
     batches = _batches(loader)
-    _train(private, opt, batches, 2)
+    _train(private, opt, criterion, batches, 2)
     engine.save_checkpoint(path=tmp_path / "run.pt", module=private, optimizer=opt, data_loader=loader)
-    _train(private, opt, batches, 3)
-    engine2, private2, opt2, loader2 = _engine(model=model(), **kwargs)
+    _train(private, opt, criterion, batches, 3)
+    engine2, private2, opt2, criterion2, loader2 = _engine(model=model(), **kwargs)
     engine2.load_checkpoint(path=tmp_path / "run.pt", module=private2, optimizer=opt2, data_loader=loader2)
-    _train(private2, opt2, _batches(loader2), 3)
+    _train(private2, opt2, criterion2, _batches(loader2), 3)
     for a, b in zip(_params(private), _params(private2), strict=True):
         assert torch.equal(a, b)
     assert engine2.get_epsilon(DELTA) == engine.get_epsilon(DELTA)

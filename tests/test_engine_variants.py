@@ -43,21 +43,28 @@ def _reference(variant, sigma=0.8):
     return BackpropClip(1.5, 0.7, sigma, BATCH / N, N, **keys)
 
 
-def _private(variant, model, x, y, sigma=0.8, reduction="mean", **kwargs):
+def _private(variant, model, x, y, sigma=0.8, reduction="mean", criterion=None, **kwargs):
+    """(engine, private model, optimizer, criterion): Opacus' ghost-clipping front door, whose criterion (a
+    ``fastdp.engine.DPLoss`` of ``criterion``, cross-entropy by default) gives the loss under "mean"."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH)
     engine = PrivacyEngine(accountant="rdp")
-    model, opt, loader = engine.make_private(
+    model, opt, criterion, loader = engine.make_private(
         module=model, optimizer=opt, data_loader=loader, noise_multiplier=sigma, variant=variant,
-        loss_reduction=reduction, reproducible_seed=SEED, **{**BOUNDS[variant], **kwargs},
+        loss_reduction=reduction, reproducible_seed=SEED, criterion=criterion, grad_sample_mode="ghost",
+        **{**BOUNDS[variant], **kwargs},
     )  # fmt: skip
-    return engine, model, opt
+    return engine, model, opt, criterion
 
 
-def _loop_step(model, opt, x, y, reduction="mean", loss_fn=None):
+def _summed(loss_fn=nn.functional.cross_entropy):
+    """``loss_reduction="sum"``'s loss: the per-example losses summed by the user's own code."""
+    return lambda out, t: loss_fn(out, t, reduction="sum")
+
+
+def _loop_step(model, opt, criterion, x, y):
     opt.zero_grad()
-    out = model(x)
-    loss = (loss_fn or nn.functional.cross_entropy)(out, y, reduction=reduction)
+    loss = criterion(model(x), y)
     loss.backward()
     opt.step()
 
@@ -65,11 +72,12 @@ def _loop_step(model, opt, x, y, reduction="mean", loss_fn=None):
 @pytest.mark.parametrize("variant", ["clipless", "weightclip", "backprop"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_the_released_gradient_equals_the_variant_apis_for_the_same_batch_and_key(variant, reduction):
+    """Under "mean" the loss is make_private's criterion's, under "sum" the user's own summed loss."""
     x, y = _data()
     xb, yb = x[:9], y[:9]
-    _, model, opt = _private(variant, _model(variant), x, y, reduction=reduction)
+    _, model, opt, criterion = _private(variant, _model(variant), x, y, reduction=reduction)
     assert all(p.grad is None for p in model.parameters())
-    _loop_step(model, opt, xb, yb, reduction)
+    _loop_step(model, opt, criterion if reduction == "mean" else _summed(), xb, yb)
     reference = _model(variant)
     _reference(variant).gradient(reference, Batch(xb, yb, torch.ones(9, dtype=torch.bool)), 0)
     scale = BATCH if reduction == "sum" else 1.0  # "sum": the noisy sum (Opacus), not divided by q N
@@ -80,20 +88,30 @@ def test_the_released_gradient_equals_the_variant_apis_for_the_same_batch_and_ke
 
 @pytest.mark.parametrize("variant", ["clipless", "backprop"])
 def test_each_examples_change_of_the_release_stays_within_its_bound_whatever_the_users_loss(variant):
-    """A loss 1000 times cross-entropy (its output gradient far beyond sqrt(2)), a squared loss, a hinge: the
-    noiseless release with and without one example differs, per parameter tensor, by at most that tensor's
-    per-example bound divided by the expected batch size."""
+    """A loss 1000 times cross-entropy (its output gradient far beyond sqrt(2)), a squared loss: the noiseless release
+    with and without one example differs, per parameter tensor, by at most that tensor's per-example bound divided
+    by the expected batch size ("mean", the loss from make_private's criterion of the per-example losses), or by the
+    bound itself ("sum", with the per-example losses summed and with the user's own plain batch mean: any loss is
+    accepted there). Under "mean" the plain batch mean is refused."""
     x, y = _data(3)
     x = x * 50  # beyond every input bound
-    losses = {
-        "ce-x1000": lambda out, t, reduction: 1000 * nn.functional.cross_entropy(out, t, reduction=reduction),
-        "squared": lambda out, t, reduction: (out**2).sum(1).mean() * 300,
+    per_example = {
+        "ce-x1000": lambda out, t: 1000 * nn.functional.cross_entropy(out, t, reduction="none"),
+        "squared": lambda out, t: (out**2).sum(1) * 300,
     }
-    for loss_fn in losses.values():
+    plain_mean = {
+        "ce-x1000": lambda out, t: 1000 * nn.functional.cross_entropy(out, t),
+        "squared": lambda out, t: (out**2).sum(1).mean() * 300,
+    }
+    cases = [("mean", name, fn, None) for name, fn in per_example.items()]  # the DP criterion of fn
+    cases += [("sum", name, None, lambda out, t, fn=fn: fn(out, t).sum()) for name, fn in per_example.items()]
+    cases += [("sum", f"{name}-plain-mean", None, fn) for name, fn in plain_mean.items()]
+    for reduction, name, criterion_of, loss_fn in cases:
         grads = []
         for rows in (slice(0, 8), slice(0, 7)):
-            _, model, opt = _private(variant, _model(variant), x, y, sigma=0.0)
-            _loop_step(model, opt, x[rows], y[rows], loss_fn=loss_fn)
+            _, model, opt, criterion = _private(variant, _model(variant), x, y, sigma=0.0, reduction=reduction,
+                                                criterion=criterion_of)  # fmt: skip
+            _loop_step(model, opt, loss_fn or criterion, x[rows], y[rows])
             grads.append([p.grad.detach().clone() for p in model.parameters()])
         variant_obj = opt.variant
         if variant == "clipless":
@@ -103,16 +121,31 @@ def test_each_examples_change_of_the_release_stays_within_its_bound_whatever_the
 
             sens = parameter_sensitivities(model._module)
             bounds = [sens[p] for p in model.parameters()]
+        divisor = variant_obj.expected_batch_size if reduction == "mean" else 1.0
         for with_, without, bound in zip(*grads, bounds, strict=True):
-            change = (with_ - without).norm().item() * variant_obj.expected_batch_size
-            assert change <= bound * (1 + 1e-5), (variant, change, bound)
+            change = (with_ - without).norm().item() * divisor
+            assert change <= bound * (1 + 1e-5), (variant, reduction, name, change, bound)
+    for name, fn in plain_mean.items():  # "mean" with the user's plain batch mean: refused, nothing released
+        _, model, opt, _ = _private(variant, _model(variant), x, y, sigma=0.0)
+        with pytest.raises(ValueError, match="loss_reduction='mean' needs the loss from fastdp's DP criterion"):
+            _loop_step(model, opt, fn, x[:8], y[:8])
+        assert opt.steps_taken == 0 and opt.accountant.history == [], name
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters()), name
 
 
 def test_a_lipschitz_criterion_sets_the_output_gradient_bound_and_a_contradicting_one_is_refused():
     x, y = _data()
-    _, _, opt = _private("clipless", _model("clipless"), x, y, criterion=MulticlassKR())
-    assert isinstance(opt.variant.loss_fn, MulticlassKR)
-    _, _, opt = _private("clipless", _model("clipless"), x, y, output_grad_bound=0.5)
+    for loss in (MulticlassKR(), TauCrossEntropy(tau=3.0)):  # per-example losses: the front door's criterion too
+        _, model, opt, criterion = _private("clipless", _model("clipless"), x, y, criterion=loss)
+        assert opt.variant.loss_fn is loss
+        _loop_step(model, opt, criterion, x[:9], y[:9])
+        reference = _model("clipless")
+        Clipless(0.8, BATCH / N, N, loss=loss, reproducible_seed=DERIVED).gradient(
+            reference, Batch(x[:9], y[:9], torch.ones(9, dtype=torch.bool)), 0
+        )
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    _, _, opt, _ = _private("clipless", _model("clipless"), x, y, output_grad_bound=0.5)
     assert opt.variant.loss_fn.lipschitz == 0.5
     with pytest.raises(ValueError, match="contradicts the criterion's Lipschitz constant"):
         _private("clipless", _model("clipless"), x, y, criterion=TauCrossEntropy(), output_grad_bound=0.5)
@@ -128,7 +161,7 @@ def test_refusals_name_the_variants_own_bound_parameters():
         _private("backprop", _model("backprop"), x, y, grad_clip=None)
     with pytest.raises(ValueError, match="no Lipschitz bound rule"):
         _private("clipless", _model("backprop"), x, y)  # an ordinary MLP has no certified bounds
-    _, model, opt = _private("clipless", _model("clipless"), x, y)
+    _, model, _, _ = _private("clipless", _model("clipless"), x, y)
     with pytest.raises(ValueError, match="cannot train under autocast"), torch.autocast("cpu", dtype=torch.bfloat16):
         model(x[:4])
 
@@ -143,7 +176,7 @@ def test_a_model_that_does_not_return_one_batch_tensor_is_refused():
             return self.lin(x), x
 
     x, y = _data()
-    _, model, _ = _private("backprop", Pair(), x, y)
+    _, model, _, _ = _private("backprop", Pair(), x, y)
     with pytest.raises(ValueError, match="must return one tensor whose rows are the batch's 5 examples"):
         model(x[:5])
 
@@ -158,24 +191,32 @@ def test_a_layer_called_twice_in_one_forward_is_refused_under_backprop_clipping(
             return self.lin(self.lin(x))
 
     x, y = _data()
-    _, model, _ = _private("backprop", Twice(), x, y)
+    _, model, _, _ = _private("backprop", Twice(), x, y)
     with pytest.raises(ValueError, match="called more than once"):
         model(x[:5])
 
 
 def test_gradients_sent_into_the_model_by_another_path_are_never_released():
     """A loss that also reaches the parameters through a direct call of a submodule: that path's gradient is
-    dropped; the release is the one of the output's gradient alone."""
+    dropped; the release is the one of the output's gradient alone. A term that sends gradient into the DP
+    criterion's input (the model's output) besides the criterion is refused under "mean"."""
     x, y = _data()
-    _, model, opt = _private("backprop", _model("backprop"), x, y, sigma=0.0)
+    _, model, opt, criterion = _private("backprop", _model("backprop"), x, y, sigma=0.0)
     opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(x[:6]), y[:6]) + 1e6 * model._module[0](x[:6]).sum()
+    loss = criterion(model(x[:6]), y[:6]) + 1e6 * model._module[0](x[:6]).sum()
     loss.backward()
     opt.step()
     reference = _model("backprop")
     _reference("backprop", sigma=0.0).gradient(reference, Batch(x[:6], y[:6], torch.ones(6, dtype=torch.bool)), 0)
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    opt.zero_grad()
+    out = model(x[6:12])
+    (criterion(out, y[6:12]) + 1e6 * out.pow(2).mean()).backward()
+    with pytest.raises(ValueError, match="the model's output also got gradient from other terms of the loss"):
+        opt.step()
+    assert opt.steps_taken == 1 and len(opt.accountant.history) == 1  # nothing more released
+    assert all(p.grad is None for p in model.parameters())  # zero_grad's None: no release wrote it
 
 
 def test_clipless_trains_through_the_front_door_and_keeps_its_constraints():
@@ -185,13 +226,14 @@ def test_clipless_trains_through_the_front_door_and_keeps_its_constraints():
     model = _model("clipless")
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     engine = PrivacyEngine(accountant="rdp")
-    model, opt, loader = engine.make_private_with_epsilon(
+    model, opt, criterion, loader = engine.make_private_with_epsilon(
         module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=100),
-        target_epsilon=8.0, target_delta=1e-4, epochs=5, variant="clipless",
+        target_epsilon=8.0, target_delta=1e-4, epochs=5, variant="clipless", criterion=nn.CrossEntropyLoss(),
+        grad_sample_mode="ghost",
     )  # fmt: skip
     for _ in range(5):
         for xb, yb in loader:
-            _loop_step(model, opt, xb, yb)
+            _loop_step(model, opt, criterion, xb, yb)
     model.eval()
     with torch.no_grad():
         accuracy = (model(x).argmax(1) == y).float().mean().item()

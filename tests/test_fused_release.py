@@ -166,15 +166,16 @@ def _train(make_optimizer, fuse: bool, steps=4, scheduler=False):
     x, y = torch.randn(64, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (64,), generator=gen)
     loader = DataLoader(TensorDataset(x, y), batch_size=16)
     engine = PrivacyEngine(accountant="rdp")
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.7,
-                                             max_grad_norm=0.5, reproducible_seed=5)  # fmt: skip
+    model, opt, criterion, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.7, max_grad_norm=0.5, reproducible_seed=5,
+        criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost")  # fmt: skip
     opt.fuse_step = fuse
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if scheduler else None
     grads = []
     for i in range(steps):
         xb, yb = x[16 * i : 16 * (i + 1)], y[16 * i : 16 * (i + 1)]
         opt.zero_grad()
-        nn.functional.cross_entropy(model(xb), yb).backward()
+        criterion(model(xb), yb).backward()
         opt.step()
         grads.append([p.grad.clone() for p in model.parameters()])
         if sched is not None:

@@ -47,25 +47,28 @@ def _model(variant: str) -> nn.Module:
 
 
 def _make_private(model: nn.Module, variant: str = "dpsgd", data=None, exact: bool = True, **loader_kwargs):
-    """(private model, optimizer, engine, loader) from make_private. ``exact``: no noise, lr 0, a reproducible key and
-    summed losses (leave-one-out measurements); else noise 1, lr 0.1 and OS-entropy keys (a release configuration).
-    ``data``: 100 random examples by default, in batches of 10 (``batch_size`` and other loader options overridable)."""
+    """(private model, optimizer, engine, loader, criterion) from make_private (Opacus' ghost-clipping form, which
+    returns fastdp's DP criterion). ``exact``: no noise, lr 0, a reproducible key and summed losses (leave-one-out
+    measurements: loss_reduction="sum" with :func:`_loss`, the plain summed cross-entropy); else noise 1, lr 0.1,
+    OS-entropy keys and loss_reduction="mean" (a release configuration: the loss is ``criterion(private(x), y)``, the
+    DP criterion's mean; a plain batch mean is refused). ``data``: 100 random examples by default, in batches of 10
+    (``batch_size`` and other loader options overridable)."""
     data = data if data is not None else TensorDataset(torch.randn(100, D), torch.randint(0, 2, (100,)))
     settings = (
         dict(noise_multiplier=0.0, reproducible_seed=1, loss_reduction="sum") if exact else dict(noise_multiplier=1.0)
     )
     engine = PrivacyEngine(accountant="pld" if variant == "jl" else "rdp")
-    private, optimizer, loader = engine.make_private(
+    private, optimizer, criterion, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0 if exact else 0.1),
         data_loader=DataLoader(data, **{"batch_size": 10, **loader_kwargs}), variant=variant, **settings,
-        **VARIANTS[variant],
+        criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost", **VARIANTS[variant],
     )  # fmt: skip
-    return private, optimizer, engine, loader
+    return private, optimizer, engine, loader, criterion
 
 
 def _private(variant: str):
     model = _model(variant)
-    private, optimizer, engine, loader = _make_private(model, variant)
+    private, optimizer, engine, loader, _ = _make_private(model, variant)
     return model, private, optimizer, engine, loader
 
 
@@ -194,10 +197,11 @@ def test_more_rows_than_the_loader_drew_are_refused():
 
 
 def test_the_row_count_survives_worker_processes_and_pinned_memory():
-    private, optimizer, engine, loader = _make_private(_model("dpsgd"), exact=False, num_workers=2, pin_memory=True)
+    private, optimizer, engine, loader, criterion = _make_private(_model("dpsgd"), exact=False, num_workers=2,
+                                                                  pin_memory=True)  # fmt: skip
     for i, (x, y) in enumerate(loader):
         optimizer.zero_grad()
-        _loss(private, x, y).backward()
+        criterion(private(x), y).backward()
         optimizer.step()
         if i == 3:
             break
@@ -302,7 +306,9 @@ def _with_first(first: nn.Module, variant: str = "dpsgd") -> nn.Module:
 
 
 def _private_model(model: nn.Module, variant: str):
-    return _make_private(model, variant, exact=False)[:2]
+    """(private model, optimizer, criterion) in the release configuration (loss_reduction="mean")."""
+    private, optimizer, _, _, criterion = _make_private(model, variant, exact=False)
+    return private, optimizer, criterion
 
 
 @pytest.mark.parametrize("variant", ["dpsgd", "backprop"])
@@ -312,12 +318,12 @@ def test_a_buffer_written_from_the_batch_is_refused_before_the_release(variant, 
     with OS-entropy noise on the gradient); the step is refused before anything is released or updated."""
     module = torch.ao.quantization.MinMaxObserver() if first == "observer" else RunningMax(first)
     model = _with_first(module, variant)
-    private, optimizer = _private_model(model, variant)
+    private, optimizer, criterion = _private_model(model, variant)
     x, y = _batch()
     x[3, 5] = 123.456
     weights = [p.detach().clone() for p in model.parameters()]
     optimizer.zero_grad()
-    _loss(private, x, y).backward()
+    criterion(private(x), y).backward()
     with pytest.raises(UnsupportedLayerError, match=r"wrote its buffers .*0\.(max_val|running_max)"):
         optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
@@ -327,16 +333,16 @@ def test_a_buffer_written_on_a_later_step_is_refused():
     """On later steps the watch sees in-place writes and replacements by version counter and storage (no copy, no
     device read); by value (writes through ``.data``) on the model's first step only, as the row probe."""
     module = RunningMax("copy_")
-    private, optimizer = _private_model(_with_first(module), "dpsgd")
+    private, optimizer, criterion = _private_model(_with_first(module), "dpsgd")
     x, y = _batch()
     module.train(False)  # the first steps do not write: they pass
     for _ in range(2):
         optimizer.zero_grad()
-        _loss(private, x, y).backward()
+        criterion(private(x), y).backward()
         optimizer.step()
     module.train(True)  # an in-place write on a later step is refused
     optimizer.zero_grad()
-    _loss(private, x, y).backward()
+    criterion(private(x), y).backward()
     with pytest.raises(UnsupportedLayerError, match="running_max"):
         optimizer.step()
 
@@ -496,13 +502,13 @@ def test_mixing_through_a_middle_row_is_refused(mixer, batch):
     the rows by bit of the index catches any pair; the model is refused before anything is released."""
     torch.manual_seed(0)
     model = nn.Sequential(mixer(), nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 2))
-    private, optimizer = _private_model(model, "dpsgd")
+    private, optimizer, criterion = _private_model(model, "dpsgd")
     gen = torch.Generator().manual_seed(batch)
     x, y = torch.randn(batch, D, generator=gen), torch.randint(0, 2, (batch,), generator=gen)
     target = batch // 2 if mixer is BatchMaxScale else 1
     x[target, 0] = 50.0
     optimizer.zero_grad()
-    _loss(private, x, y).backward()
+    criterion(private(x), y).backward()
     with pytest.raises(UnsupportedLayerError, match="needs each row of the batch to be one example"):
         optimizer.step()
 
@@ -522,10 +528,10 @@ def test_an_old_style_weight_norm_is_refused_by_name(variant, reparametrize):
         layer = getattr(nn.utils, reparametrize)(nn.Linear(D, 16))
     model = nn.Sequential(layer, nn.Tanh(), nn.Linear(16, 2))
     with pytest.raises(UnsupportedLayerError, match=r"weight_norm|spectral_norm|weight_g|weight_orig"):
-        private, optimizer = _private_model(model, variant)
+        private, optimizer, criterion = _private_model(model, variant)
         x, y = _batch()
         optimizer.zero_grad()
-        _loss(private, x, y).backward()
+        criterion(private(x), y).backward()
         optimizer.step()
 
 
@@ -545,14 +551,14 @@ def test_mixing_only_where_a_value_is_missing_is_refused():
     input is probed apart from the NaN-free ones of its shape."""
     torch.manual_seed(0)
     model = nn.Sequential(NanMeanImpute(), nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 2))
-    private, optimizer = _private_model(model, "dpsgd")
+    private, optimizer, criterion = _private_model(model, "dpsgd")
     x, y = _batch()
     optimizer.zero_grad()
-    _loss(private, x, y).backward()
+    criterion(private(x), y).backward()
     optimizer.step()  # no NaN: nothing mixes
     x[2, 3] = x[4, 1] = float("nan")
     optimizer.zero_grad()
-    _loss(private, x, y).backward()
+    criterion(private(x), y).backward()
     with pytest.raises(UnsupportedLayerError, match="needs each row of the batch to be one example"):
         optimizer.step()
 
@@ -577,10 +583,10 @@ class ExtraStateMax(nn.Module):
 
 def test_extra_state_written_from_the_batch_is_refused():
     model = nn.Sequential(ExtraStateMax(), nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 2))
-    private, optimizer = _private_model(model, "dpsgd")
+    private, optimizer, criterion = _private_model(model, "dpsgd")
     x, y = _batch()
     optimizer.zero_grad()
-    _loss(private, x, y).backward()
+    criterion(private(x), y).backward()
     with pytest.raises(UnsupportedLayerError, match=r"extra state 0\._extra_state"):
         optimizer.step()
 
@@ -645,7 +651,7 @@ def test_the_fp32_rounding_of_a_large_batch_sum_stays_within_the_bound():
 
     def release(xs, ys):
         model = copy.deepcopy(base)
-        private, optimizer, _, loader = _make_private(model, data=TensorDataset(xs, ys), batch_size=len(xs))
+        private, optimizer, _, loader, _ = _make_private(model, data=TensorDataset(xs, ys), batch_size=len(xs))
         xb, yb = next(iter(loader))  # q = 1: every example
         optimizer.zero_grad()
         nn.functional.cross_entropy(private(xb), yb, reduction="sum").backward()
@@ -672,12 +678,12 @@ def test_activation_checkpointing_is_refused_by_name(reentrant):
             return self.b(checkpoint(self.a, x, use_reentrant=reentrant))
 
     model = Checkpointed()
-    private, optimizer = _private_model(model, "dpsgd")
+    private, optimizer, criterion = _private_model(model, "dpsgd")
     x, y = _batch()
     weights = [p.detach().clone() for p in model.parameters()]
     optimizer.zero_grad()
     with pytest.raises(RuntimeError, match="activation checkpointing"):
-        _loss(private, x, y).backward()
+        criterion(private(x), y).backward()
         optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters(), strict=True))
 
@@ -714,7 +720,7 @@ def test_a_logical_batch_left_unfinished_is_not_released_with_the_next():
 
     def release(x, y):
         model = _model("dpsgd")
-        private, optimizer, _, loader = _make_private(model, data=TensorDataset(x, y), batch_size=len(x))
+        private, optimizer, _, loader, _ = _make_private(model, data=TensorDataset(x, y), batch_size=len(x))
         with pytest.warns(RuntimeWarning, match="left before its last physical batch"):
             with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer) as batches:
                 for xb, yb in batches:

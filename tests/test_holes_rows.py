@@ -147,11 +147,13 @@ def test_the_front_door_refuses_a_shared_position_index_too():
     x, y = torch.randint(0, 20, (60, 6), generator=gen), torch.randint(0, 3, (60,), generator=gen)
     model = SharedPositions()
     engine = PrivacyEngine(accountant="rdp")
-    model, optimizer, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                              data_loader=DataLoader(TensorDataset(x, y), batch_size=6),
-                                              noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+    model, optimizer, criterion, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=6), noise_multiplier=1.0, max_grad_norm=1.0,
+        criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
+    )  # fmt: skip
     optimizer.zero_grad()
-    nn.functional.cross_entropy(model(x[:6]), y[:6]).backward()
+    criterion(model(x[:6]), y[:6]).backward()
     with pytest.raises(UnsupportedLayerError, match=r"pos \(Embedding\), output gradient"):
         optimizer.step()
     assert engine.accountant.steps == 0

@@ -63,11 +63,13 @@ def test_lora_gpt2_releases_the_clipped_sum_of_the_adapters_per_example_gradient
     params = [p for p in model.parameters() if p.requires_grad]
     engine = PrivacyEngine(accountant="rdp")
     loader = DataLoader(TensorDataset(torch.zeros(B * 10, T, dtype=torch.long)), batch_size=B)
-    private, optimizer, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(params, lr=0.0),
-                                                data_loader=loader, noise_multiplier=0.0, max_grad_norm=CLIP,
-                                                allow_large_delta=True)  # fmt: skip
+    private, optimizer, criterion, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(params, lr=0.0),
+                                                           data_loader=loader, noise_multiplier=0.0,
+                                                           max_grad_norm=CLIP, allow_large_delta=True,
+                                                           criterion=_per_example_losses,
+                                                           grad_sample_mode="ghost")  # fmt: skip
     optimizer.zero_grad()
-    _per_example_losses(private(input_ids=ids, position_ids=_positions(ids)).logits, ids).mean().backward()
+    criterion(private(input_ids=ids, position_ids=_positions(ids)).logits, ids).backward()  # the batch's mean loss
     optimizer.step()
     assert factors.max() < 1  # every example clipped: the comparison checks the norms, not only the sum
     for name, p in model.named_parameters():

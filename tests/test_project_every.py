@@ -127,7 +127,7 @@ def _front_door_data():
 
 
 def _front_door_run(lr: float, **kwargs):
-    """(engine, model, optimizer, loader) of a reproducible clipless front-door run on the test MLP."""
+    """(engine, model, optimizer, criterion, loader) of a reproducible clipless front-door run on the test MLP."""
     from torch.utils.data import DataLoader
 
     from fastdp import PrivacyEngine
@@ -135,18 +135,19 @@ def _front_door_run(lr: float, **kwargs):
     model = mlp("orthogonal")
     engine = PrivacyEngine()
     loader = DataLoader(_front_door_data(), 10)
-    private, opt, loader = engine.make_private(
+    private, opt, criterion, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), data_loader=loader, noise_multiplier=1.0,
-        variant="clipless", reproducible_seed=5, **kwargs)  # fmt: skip
-    return engine, private, opt, loader
+        variant="clipless", reproducible_seed=5, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
+        **kwargs)  # fmt: skip
+    return engine, private, opt, criterion, loader
 
 
-def _front_door_steps(private, opt, loader, steps: int) -> None:
+def _front_door_steps(private, opt, criterion, loader, steps: int) -> None:
     batches = iter(loader)
     for _ in range(steps):
         x, y = next(batches)
         opt.zero_grad()
-        nn.functional.cross_entropy(private(x), y).backward()
+        criterion(private(x), y).backward()
         opt.step()
 
 
@@ -156,12 +157,12 @@ def test_the_front_door_projects_every_kth_step_and_checkpoints_the_count(tmp_pa
     from fastdp import PrivacyEngine
     from fastdp.engine.checkpoint import load_checkpoint, save_checkpoint
 
-    engine, private, opt, loader = _front_door_run(0.5, project_every=3)
+    engine, private, opt, criterion, loader = _front_door_run(0.5, project_every=3)
     assert opt.variant.project_every == 3
-    _front_door_steps(private, opt, loader, 2)
+    _front_door_steps(private, opt, criterion, loader, 2)
     assert opt.variant.steps_since_projection == 2
     save_checkpoint(engine, tmp_path / "c.pt", module=private, optimizer=opt, data_loader=loader)
-    engine2, private2, opt2, loader2 = _front_door_run(0.5, project_every=3)
+    engine2, private2, opt2, _, loader2 = _front_door_run(0.5, project_every=3)
     load_checkpoint(engine2, tmp_path / "c.pt", module=private2, optimizer=opt2, data_loader=loader2)
     assert opt2.variant.steps_since_projection == 2
     with pytest.raises(ValueError, match="project_every"):
@@ -176,8 +177,8 @@ def test_a_front_door_checkpoint_from_before_project_every_still_loads(tmp_path)
     ``_certified_weight`` entries. It loads (the loaded weights stand in for the snapshot, re-proven)."""
     from fastdp.engine.checkpoint import load_checkpoint, save_checkpoint
 
-    engine, private, opt, loader = _front_door_run(0.1)
-    _front_door_steps(private, opt, loader, 1)
+    engine, private, opt, criterion, loader = _front_door_run(0.1)
+    _front_door_steps(private, opt, criterion, loader, 1)
     save_checkpoint(engine, tmp_path / "c.pt", module=private, optimizer=opt, data_loader=loader)
     state = torch.load(tmp_path / "c.pt", weights_only=True)
     state["settings"].pop("variant.project_every", None)
@@ -185,12 +186,12 @@ def test_a_front_door_checkpoint_from_before_project_every_still_loads(tmp_path)
         for key in [k for k in entries if k.endswith("_certified_weight")]:
             del entries[key]
     torch.save(state, tmp_path / "old.pt")
-    engine2, private2, opt2, loader2 = _front_door_run(0.1)
+    engine2, private2, opt2, _, loader2 = _front_door_run(0.1)
     load_checkpoint(engine2, tmp_path / "old.pt", module=private2, optimizer=opt2, data_loader=loader2)
     for a, b in zip(private.parameters(), private2.parameters(), strict=True):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="project_every"):  # a changed setting is still refused
         state["settings"]["variant.project_every"] = 3
         torch.save(state, tmp_path / "other.pt")
-        engine3, private3, opt3, loader3 = _front_door_run(0.1)
+        engine3, private3, opt3, _, loader3 = _front_door_run(0.1)
         load_checkpoint(engine3, tmp_path / "other.pt", module=private3, optimizer=opt3, data_loader=loader3)

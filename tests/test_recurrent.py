@@ -321,12 +321,14 @@ def test_the_front_door_trains_a_recurrent_model(kind, batch_first):
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     engine = PrivacyEngine(accountant="rdp")
-    model, opt, loader = engine.make_private(module=model, optimizer=opt,
-                                             data_loader=DataLoader(TensorDataset(x, y), batch_size=12),
-                                             noise_multiplier=1.0, max_grad_norm=1.0, reproducible_seed=3)  # fmt: skip
+    model, opt, criterion, loader = engine.make_private(module=model, optimizer=opt,
+                                                        data_loader=DataLoader(TensorDataset(x, y), batch_size=12),
+                                                        noise_multiplier=1.0, max_grad_norm=1.0, reproducible_seed=3,
+                                                        criterion=nn.CrossEntropyLoss(),
+                                                        grad_sample_mode="ghost")  # fmt: skip
     for xb, yb in loader:
         opt.zero_grad()
-        nn.functional.cross_entropy(model(xb), yb).backward()
+        criterion(model(xb), yb).backward()  # the batch's mean cross-entropy (fastdp.engine.DPLoss)
         opt.step()
     assert opt.steps_taken == len(loader) and engine.get_epsilon(1e-5) > 0
     assert all(torch.isfinite(p).all() and not torch.equal(p.detach(), b)
@@ -346,12 +348,12 @@ def test_the_row_probe_refuses_batch_first_data_given_to_a_time_major_recurrent_
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 10, (8, 8), generator=gen), torch.randint(0, 3, (8,), generator=gen)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model, opt, loader = PrivacyEngine(accountant="rdp").make_private(
+    model, opt, criterion, loader = PrivacyEngine(accountant="rdp").make_private(
         module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=8),
-        noise_multiplier=1.0, max_grad_norm=1.0,
+        noise_multiplier=1.0, max_grad_norm=1.0, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
     )  # fmt: skip
     opt.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
+    criterion(model(x), y).backward()  # the loss the mean's check accepts: the step reaches the row probe
     with pytest.raises(UnsupportedLayerError, match=r"rnn \(LSTM\), input of shape \(8, 8, 8\)"):
         opt.step()
 

@@ -379,10 +379,11 @@ def test_a_trainable_layer_that_does_not_sum_in_float64_is_refused():
 
 
 @pytest.mark.parametrize("variant", ["clipless", "backprop"])
-def test_the_output_front_doors_mean_divides_by_the_backwards_own_one_over_n(variant):
+def test_the_output_front_doors_mean_through_the_dp_criterion_stays_within_the_bound(variant):
     """30 002 aligned examples whose output gradient is under the clip, example 0 at it, through the front door with
-    ``loss_reduction="mean"``: a float32 product by n left every row off by a rounding that changes with n (1.0018
-    Delta, a review of the float64 sums); dividing by the backward's fl(1/n) gives the rows back."""
+    ``loss_reduction="mean"``: the DP criterion seeds every example's loss with 1 (no 1/n, which a float32 product by
+    n once left off by a rounding that changes with n: 1.0018 Delta), so the leave-one-out change is example 0's own;
+    a plain mean is refused."""
     import copy
 
     from fastdp import PrivacyEngine
@@ -405,14 +406,16 @@ def test_the_output_front_doors_mean_divides_by_the_backwards_own_one_over_n(var
     def capture(self, model, sums, step):
         released.append([s.clone() for s in sums])
 
-    def release(rows):
+    def release(rows, plain=False):
         model = copy.deepcopy(base)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, c), batch_size=n)
-        private, optimizer, _ = PrivacyEngine(accountant="pld").make_private(
+        private, optimizer, criterion, _ = PrivacyEngine(accountant="pld").make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader,
-            noise_multiplier=0.0, variant=variant, reproducible_seed=1, **extra)  # fmt: skip
+            noise_multiplier=0.0, variant=variant, reproducible_seed=1, criterion=lambda out, c: (out * c).sum(1),
+            grad_sample_mode="ghost", **extra)  # fmt: skip
         optimizer.zero_grad()
-        (private(x[rows]) * c[rows]).sum(1).mean().backward()
+        out = private(x[rows])
+        (((out * c[rows]).sum(1).mean()) if plain else criterion(out, c[rows])).backward()
         optimizer.step()
         return released[-1][0]
 
@@ -420,6 +423,8 @@ def test_the_output_front_doors_mean_divides_by_the_backwards_own_one_over_n(var
     cls.release = capture
     try:
         change = float((release(slice(0, n)) - release(slice(1, n))).norm())
+        with pytest.raises(ValueError, match="needs the loss from fastdp's DP criterion"):
+            release(slice(0, 8), plain=True)
     finally:
         cls.release = original
     assert 0.99 < change <= 1.0

@@ -121,10 +121,12 @@ def test_compiled_runs_go_through_the_front_door_and_give_the_eager_run(variant,
         torch.testing.assert_close(states[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_grad_reduction_is_checked_and_the_user_facing_mean_refusal_under_autocast_stays():
+def test_grad_reduction_is_checked_and_the_user_facing_mean_needs_the_dp_criterion():
     """``private_training(..., loss_reduction="sum", grad_reduction="mean")`` is what the trainer uses; the user's
-    ``loss_reduction="mean"`` under autocast is still refused (the mean's 1/n re-rounds every example)."""
+    ``loss_reduction="mean"`` refuses a plain mean (its 1/n re-rounds every example when n changes), under autocast
+    as in fp32, and trains with the DP criterion under autocast too (no 1/n reaches the backward)."""
     from fastdp.algorithms import DPSGD
+    from fastdp.engine import DPLoss
     from fastdp.privacy.accounting import PrivacyAccountant
 
     def build(**kwargs):
@@ -136,8 +138,15 @@ def test_grad_reduction_is_checked_and_the_user_facing_mean_refusal_under_autoca
     with pytest.raises(ValueError, match="grad_reduction must be one of"):
         build(grad_reduction="max")
     model, optimizer = build()
+    y = torch.tensor([0, 1, 2, 0])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(torch.randn(4, 4))
-    torch.nn.functional.cross_entropy(out.float(), torch.tensor([0, 1, 2, 0])).backward()
-    with pytest.raises(ValueError, match="loss_reduction='mean' with a backward in torch.bfloat16"):
+    torch.nn.functional.cross_entropy(out.float(), y).backward()
+    with pytest.raises(ValueError, match="loss_reduction='mean' needs the loss from fastdp's DP criterion"):
         optimizer.step()
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(4, 4))
+    DPLoss(torch.nn.functional.cross_entropy, model)(out.float(), y).backward()
+    optimizer.step()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -5,7 +5,10 @@ a cross-entropy with ``ignore_index=-100`` averaged over each example's own toke
 ``make_private_with_epsilon``, the ordinary loop and ``privacy_engine.get_epsilon(delta)``.
 
 Written for Opacus; ``bench/bench_opacus_accuracy.py`` and ``tests/test_opacus_scripts.py`` also run a copy whose
-only change is the import line (``from fastdp import PrivacyEngine``).
+only change is the import line (``from fastdp import PrivacyEngine``). The loss comes from the criterion
+``make_private_with_epsilon`` returns with ``grad_sample_mode="ghost"`` (Opacus' ghost clipping idiom): fastdp refuses
+a plain batch mean under ``loss_reduction="mean"`` (its 1/n re-rounds every example's gradient when n changes:
+``fastdp.engine.loss``).
 
 The loss: Opacus' (and fastdp's) ``loss_reduction="mean"`` takes the loss to be the mean over the batch's examples of
 each example's own loss. ``nn.CrossEntropyLoss(ignore_index=-100)`` on the flattened [B * T] tokens is not that (its
@@ -127,7 +130,7 @@ def example_losses(logits, labels):
     return per_token.sum(1) / (labels != -100).sum(1).clamp(min=1)
 
 
-def train(args, model, device, train_loader, optimizer, privacy_engine, epoch, step_times, accounting_times):
+def train(args, model, device, train_loader, optimizer, criterion, privacy_engine, epoch, step_times, accounting_times):
     model.train()
     losses = []
     start = time.perf_counter()
@@ -135,7 +138,7 @@ def train(args, model, device, train_loader, optimizer, privacy_engine, epoch, s
         batch = {k: v.to(device) for k, v in batch.items()}
         optimizer.zero_grad()
         logits = model(input_ids=batch["input_ids"])
-        loss = example_losses(logits, batch["labels"]).mean()
+        loss = criterion(logits, batch["labels"])  # the mean of example_losses over the batch's examples
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -210,10 +213,12 @@ def main():
 
     run_start = time.perf_counter()
     privacy_engine = PrivacyEngine()
-    model, optimizer, train_loader = privacy_engine.make_private_with_epsilon(
+    model, optimizer, criterion, train_loader = privacy_engine.make_private_with_epsilon(
         module=model,
         optimizer=optimizer,
         data_loader=train_loader,
+        criterion=example_losses,
+        grad_sample_mode="ghost",
         target_epsilon=args.epsilon,
         target_delta=args.delta,
         epochs=args.epochs,
@@ -224,7 +229,9 @@ def main():
 
     step_times, accounting_times = [], []
     for epoch in range(1, args.epochs + 1):
-        train(args, model, device, train_loader, optimizer, privacy_engine, epoch, step_times, accounting_times)
+        train(
+            args, model, device, train_loader, optimizer, criterion, privacy_engine, epoch, step_times, accounting_times
+        )
     accuracy, perplexity = test(model, device, test_loader)
     epsilon = privacy_engine.get_epsilon(args.delta)
     run_s = time.perf_counter() - run_start

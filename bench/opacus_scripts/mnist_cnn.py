@@ -3,7 +3,10 @@
 DataLoader, the ordinary loop, test accuracy and ``privacy_engine.get_epsilon(delta)``.
 
 Written for Opacus; ``bench/bench_opacus_accuracy.py`` and ``tests/test_opacus_scripts.py`` also run a copy whose
-only change is the import line (``from fastdp import PrivacyEngine``).
+only change is the import line (``from fastdp import PrivacyEngine``). The loss comes from the criterion
+``make_private_with_epsilon`` returns with ``grad_sample_mode="ghost"`` (Opacus' ghost clipping idiom): fastdp refuses
+a plain batch mean under ``loss_reduction="mean"`` (its 1/n re-rounds every example's gradient when n changes:
+``fastdp.engine.loss``).
 
 Data (nothing is downloaded): MNIST's t10k images and labels (gzip'd IDX, ``--data-root``, default
 ``../shared/data/mnist`` from the working directory), split once (a fixed permutation) into 8,000 training and 2,000
@@ -99,9 +102,8 @@ def per_class(x, y, k):
     return x[keep], y[keep]
 
 
-def train(args, model, device, train_loader, optimizer, privacy_engine, epoch, step_times, accounting_times):
+def train(args, model, device, train_loader, optimizer, criterion, privacy_engine, epoch, step_times, accounting_times):
     model.train()
-    criterion = nn.CrossEntropyLoss()
     losses = []
     start = time.perf_counter()
     for data, target in train_loader:
@@ -181,10 +183,12 @@ def main():
 
     run_start = time.perf_counter()
     privacy_engine = PrivacyEngine()
-    model, optimizer, train_loader = privacy_engine.make_private_with_epsilon(
+    model, optimizer, criterion, train_loader = privacy_engine.make_private_with_epsilon(
         module=model,
         optimizer=optimizer,
         data_loader=train_loader,
+        criterion=nn.CrossEntropyLoss(),
+        grad_sample_mode="ghost",
         target_epsilon=args.epsilon,
         target_delta=args.delta,
         epochs=args.epochs,
@@ -195,7 +199,9 @@ def main():
 
     step_times, accounting_times = [], []
     for epoch in range(1, args.epochs + 1):
-        train(args, model, device, train_loader, optimizer, privacy_engine, epoch, step_times, accounting_times)
+        train(
+            args, model, device, train_loader, optimizer, criterion, privacy_engine, epoch, step_times, accounting_times
+        )
     accuracy, test_loss = test(model, device, test_loader)
     epsilon = privacy_engine.get_epsilon(args.delta)
     run_s = time.perf_counter() - run_start

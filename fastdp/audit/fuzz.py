@@ -517,11 +517,10 @@ def _front_door_release(
     kind: str, model: nn.Module, batch: Batch, expected_batch: int, n: int, sigma: float, autocast: bool
 ) -> tuple[list[torch.Tensor], Variant, nn.Module]:
     """One step of ``kind`` (:data:`FRONT_DOOR`) as a user runs it: ``PrivacyEngine.make_private`` on a copy of
-    ``model`` (reproducible key, SGD with lr 0 so ``p.grad`` is the release), forward, cross-entropy,
-    ``loss.backward()``, ``optimizer.step()``. fp32/fp64: the mean loss (``loss_reduction="mean"``, the default); under
-    bf16 autocast (``autocast``) the summed loss with ``loss_reduction="sum"`` (the mean is refused there), the noisy
-    sum divided by the expected batch size here. Returns the released mean gradients, the engine's variant (the
-    claim is read from it) and the converted copy."""
+    ``model`` (reproducible key, SGD with lr 0 so ``p.grad`` is the release) with the criterion it returns
+    (``grad_sample_mode="ghost"``: ``fastdp.engine.DPLoss``, the batch's mean cross-entropy, ``loss_reduction="mean"``,
+    the default; under bf16 autocast too), forward, ``loss.backward()``, ``optimizer.step()``. Returns the released
+    mean gradients, the engine's variant (the claim is read from it) and the converted copy."""
     from fastdp.engine import PrivacyEngine
 
     copied = copy.deepcopy(model)
@@ -530,18 +529,17 @@ def _front_door_release(
     engine = PrivacyEngine(accountant="pld" if variant == "jl" else "rdp")
     bounds = {"dpsgd": {"max_grad_norm": 1.0}, "jl": {"max_grad_norm": 1.0, "projections": 4},
               "backprop": {"input_clip": 1.0, "grad_clip": 1.0}}.get(variant, {})  # fmt: skip
-    private, optimizer, _ = engine.make_private(
+    private, optimizer, criterion, _ = engine.make_private(
         module=copied, optimizer=torch.optim.SGD(copied.parameters(), lr=0.0), data_loader=loader,
-        noise_multiplier=sigma, variant=variant, reproducible_seed=KEY, loss_reduction="sum" if autocast else "mean",
-        **bounds,
+        noise_multiplier=sigma, variant=variant, reproducible_seed=KEY, criterion=torch.nn.functional.cross_entropy,
+        grad_sample_mode="ghost", **bounds,
     )  # fmt: skip
     optimizer.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = private(batch.x)
-    torch.nn.functional.cross_entropy(out.float(), batch.y, reduction="sum" if autocast else "mean").backward()
+    criterion(out.float(), batch.y).backward()
     optimizer.step()
-    scale = 1.0 / expected_batch if autocast else 1.0
-    grads = [p.grad.detach().double() * scale for p in trainable_parameters(copied)]
+    grads = [p.grad.detach().double() for p in trainable_parameters(copied)]
     return grads, optimizer.variant, copied
 
 

@@ -6,8 +6,9 @@ clipped sums and the noise, the front door only wires the user's loop to them.
 """
 
 from fastdp.engine.data import BatchMemoryManager, DPDataLoader
+from fastdp.engine.loss import DPLoss
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
 from fastdp.engine.privacy_engine import PrivacyEngine
 
-__all__ = ["BatchMemoryManager", "DPDataLoader", "DPOptimizer", "PrivacyEngine", "PrivateModule"]
+__all__ = ["BatchMemoryManager", "DPDataLoader", "DPLoss", "DPOptimizer", "PrivacyEngine", "PrivateModule"]

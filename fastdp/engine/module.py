@@ -30,11 +30,13 @@ divisor counts every example's tokens) is not a mean over examples; average each
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from fastdp.algorithms.base import Variant, summed_forward
 from fastdp.nn import GhostClipping, check_supported, convert
@@ -50,6 +52,41 @@ class Recorded:
     output: torch.Tensor | None = None  # "output": the model's output (its graph) ...
     leaf: torch.Tensor | None = None  # ... and the detached leaf the user's loss was computed from
     public: bool = False  # run under PrivateModule.public(): rows of no private example (a GAN's generated batch)
+    output_tensors: tuple = ()  # "ghost": the output's tensors (fastdp.engine.loss.DPLoss)
+    seeded: bool = False  # a DPLoss backward reached it: each example's loss got the backward's seed, never 1/n
+    foreign: list = field(default_factory=list)  # per output: whether gradient other than the DPLoss's reached it
+    criterion_grads: dict = field(default_factory=dict)  # output index -> what the DPLoss criteria sent it
+    measuring: int = 0  # inside DPLoss's own backward of the criterion (its hooks calls are not the whole gradient)
+
+    def outputs(self) -> tuple:
+        """The tensors the user's loss is computed from: the output leaf ("output") or the output's tensors."""
+        return (self.leaf,) if self.leaf is not None else self.output_tensors
+
+    @property
+    def output_nodes(self) -> tuple:
+        return tuple(t.grad_fn for t in self.output_tensors if t.grad_fn is not None)
+
+    def add_criterion_gradient(self, k: int, part: torch.Tensor | None) -> None:
+        if part is not None:
+            have = self.criterion_grads.get(k)
+            self.criterion_grads[k] = part if have is None else have + part
+
+    def check_gradient(self, k: int, total: torch.Tensor) -> None:
+        """Tensor hook of output k (its whole gradient): whether it differs from what DPLoss criteria sent it (another
+        term of the loss reached the model; read on the host at the step), the criteria's part then dropped."""
+        if self.measuring:
+            return
+        mine = self.criterion_grads.pop(k, None)
+        if mine is None:
+            self.foreign.append(torch.ones((), dtype=torch.bool, device=total.device))
+        else:
+            self.foreign.append((total != mine).any())
+
+    def watch_gradients(self) -> None:
+        """Hook every output tensor that requires grad (:meth:`check_gradient`)."""
+        for k, t in enumerate(self.outputs()):
+            if t.requires_grad:
+                t.register_hook(functools.partial(self.check_gradient, k))
 
     @property
     def backpropagated(self) -> bool:
@@ -94,6 +131,8 @@ class PrivateModule(nn.Module):
         self._internal_loss = False
         self._buffer_watch = None  # the step's watch on the model's buffers, from its first training forward
         self._public = False
+        # loss_reduction="mean" (set by DPOptimizer): every private forward's output gradient must come from DPLoss
+        self._seeded_losses = False
 
     def __getattr__(self, name: str):
         try:
@@ -116,7 +155,11 @@ class PrivateModule(nn.Module):
         if self._variant.front_door == "ghost":
             with GhostClipping(examples, self._variant.form_budget) as ctx:
                 out = self._module(*args, **kwargs)
-            self._pending.append(Recorded(ctx.records, examples, inputs, public=self._public))
+            tensors = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad)
+            recorded = Recorded(ctx.records, examples, inputs, public=self._public, output_tensors=tensors)
+            self._pending.append(recorded)
+            if self._seeded_losses and not self._public:
+                recorded.watch_gradients()
             self._watch_internal_loss(out)
             return out
         return self._output_forward(args, kwargs, examples)
@@ -171,7 +214,10 @@ class PrivateModule(nn.Module):
                 f"return one tensor whose rows are the batch's {examples} examples; it returned {shape}"
             )
         leaf = out.detach().requires_grad_()
-        self._pending.append(Recorded(records, examples, (args, kwargs), out, leaf, public=self._public))
+        recorded = Recorded(records, examples, (args, kwargs), out, leaf, public=self._public)
+        self._pending.append(recorded)
+        if self._seeded_losses and not self._public:
+            recorded.watch_gradients()
         return leaf
 
     def take_recorded(self) -> list[Recorded]:

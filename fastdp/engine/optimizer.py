@@ -92,6 +92,7 @@ class DPOptimizer(Optimizer):
         self.original_optimizer = optimizer
         self.module, self.variant, self.accountant = module, variant, accountant
         self.loss_reduction = loss_reduction
+        module._seeded_losses = loss_reduction == "mean"  # its forwards watch their outputs' gradients (DPLoss)
         # what p.grad is: "mean" (the noisy sum over the expected batch size, the variant's release) or "sum"
         self.grad_reduction = grad_reduction
         self.projections = projections
@@ -192,24 +193,11 @@ class DPOptimizer(Optimizer):
                     f"{type(r.layer).__name__} was called on a tensor whose first dimension ({tuple(r.shape)}) is not "
                     f"the batch ({n} examples): DP layers need batch-first inputs so each row belongs to one example"
                 )
-        low = sorted({str(r.dtype) for r in records if (r.grad is not None or r.formed is not None)
-                      and r.dtype.itemsize < 4})  # fmt: skip
-        if low and self.loss_reduction == "mean":
-            raise ValueError(
-                f"loss_reduction='mean' with a backward in {low[0]} (autocast) is refused: the mean's 1/n is rounded "
-                "into every example's output gradient in that precision, and n counts every example of the batch, so "
-                "adding or removing one example re-rounds all the others' gradients (by ~2^-8 each in bf16: beyond the "
-                "bound for batches of a few hundred). Sum the per-example losses and pass loss_reduction='sum' "
-                "(p.grad is then the noisy sum: divide the learning rate by the expected batch size), or train in fp32"
-            )
         known = [t for r in records for t in ([r.grad] if r.grad is not None else r.formed or [])]
         device = known[0].device if known else torch.device("cpu")
         run = GhostBackward.of_records(params, records, torch.zeros(n, device=device))
-        # "mean": G holds 1/n of each example's loss gradient, as the backward's dtype rounds it (torch's mean backward
-        # divides in that dtype); the variant divides by exactly that value (no copy of G): with 1.0 / n instead, every
-        # example was scaled by fl(1/n) n != 1, a factor that changes with n (1.03 C at 262081 aligned examples)
         dtype = known[0].dtype if known and known[0].is_floating_point() else torch.float32
-        loss_scale = float(torch.ones((), dtype=dtype) / n) if self.loss_reduction == "mean" and n else 1.0
+        loss_scale = self._loss_scale(recorded, dtype)
         sums, _ = self.variant.sums_of_backward(model, run, torch.ones(n, dtype=torch.bool, device=device),
                                                 self.steps_taken, loss_scale)  # fmt: skip
         del run
@@ -219,21 +207,27 @@ class DPOptimizer(Optimizer):
         return sums
 
     def _output_sums(self, recorded: Recorded) -> list[torch.Tensor]:
-        """An "output" variant's sums of one forward: the loss's gradient at the output (times n under "mean", so
-        each row is that of the example's own loss), backpropagated once through the model by the variant."""
+        """An "output" variant's sums of one forward: the loss's gradient at the output (each row the example's own
+        loss gradient: :meth:`_loss_scale`), backpropagated once through the model by the variant."""
         grad = recorded.leaf.grad
         model, n = self.module._module, recorded.examples
         if n >= 2:
             self._check_rows(model, recorded.inputs, n)
-        if self.loss_reduction == "mean" and n:
-            # G holds fl(1/n) of each example's loss gradient as the loss's backward rounded it: divided by exactly
-            # that value (in float64, then cast back) each row is that gradient again up to at most one ulp; a
-            # float32 product by n left each row off by a rounding that changes with n (1.0018 x the bound at 30 002
-            # aligned examples, a review of the float64 sums); what remains is docs/privacy.md's "mean" residual
-            grad = (grad.double() / float(torch.ones((), dtype=grad.dtype) / n)).to(grad.dtype)
+        scale = self._loss_scale(recorded, grad.dtype)
+        if scale != 1.0:  # a public forward's plain mean (below)
+            grad = (grad.double() / scale).to(grad.dtype)
         sums = self.variant.sums_of_output(model, recorded.output, grad, recorded.records)
         recorded.records.clear()
         return sums
+
+    def _loss_scale(self, recorded: Recorded, dtype: torch.dtype) -> float:
+        """What G holds of each example's loss gradient: 1 (a sum, or a DPLoss: each example's loss seeded with the
+        backward's seed), or, for a public forward's plain mean only (a private one is refused: :meth:`pre_step`),
+        the fl(1/n) its backward multiplied by (torch's mean backward divides in G's dtype)."""
+        n = recorded.examples
+        if self.loss_reduction == "sum" or recorded.seeded or not n:
+            return 1.0
+        return float(torch.ones((), dtype=dtype) / n)
 
     def _check_rows(self, model: torch.nn.Module, inputs: tuple, n: int) -> None:
         """Each row one example (``fastdp.nn.rows``): the model's output rows and the DP layers' input rows must not
@@ -300,6 +294,8 @@ class DPOptimizer(Optimizer):
                 "physical batch its own step() call), and run forwards of public data (a GAN's generated batch) "
                 "under `with model.public():` (docs/front-door.md, 'One forward per step')"
             )
+        if self.loss_reduction == "mean":
+            self._check_seeded(private_forwards)
         loader = self.data_loader
         if self._sums is not None and loader is not None and loader.batches_drawn != self._pending_batch:
             self.drop_pending_sums()  # pending sums of a logical batch abandoned for a newer sample of the loader
@@ -316,6 +312,32 @@ class DPOptimizer(Optimizer):
         if not skip:
             self._check_rows_drawn()
         return not skip
+
+    def _check_seeded(self, forwards: list[Recorded]) -> None:
+        """Under ``loss_reduction="mean"``: the private forward's loss came from a DPLoss, alone on its input
+        (``fastdp.engine.loss``: a plain mean's 1/n re-rounds every example's gradient when n changes)."""
+        how = (
+            "Pass criterion=<your loss> and grad_sample_mode='ghost' to make_private and compute the loss with the "
+            "criterion it returns (model, optimizer, criterion, data_loader = engine.make_private(...)), as Opacus' "
+            "ghost clipping does, or fastdp.engine.DPLoss(<your loss>, model); or sum the per-example losses "
+            "(reduction='sum') and pass loss_reduction='sum' (docs/front-door.md, 'Per-example gradients and the loss')"
+        )
+        for recorded in forwards:
+            if not recorded.seeded:
+                raise ValueError(
+                    "loss_reduction='mean' needs the loss from fastdp's DP criterion, and this step's loss was not: a "
+                    "plain mean over the batch (a criterion with reduction='mean', loss.mean()) multiplies every "
+                    "example's gradient by the rounded 1/n, n changes when one example is added or removed, and the "
+                    "model's backward can amplify that re-rounding of every other example's gradient far beyond the "
+                    f"clipping bound (21.6 x at 10 000 examples: tests/test_holes_mean.py). {how}"
+                )
+            if any(bool(other) for other in recorded.foreign):
+                raise ValueError(
+                    "the model's output also got gradient from other terms of the loss than the DP criterion's (e.g. a "
+                    "regularizer or a second head's loss averaged over the batch): under loss_reduction='mean' only "
+                    "the DP criterion's per-example losses may reach the model. Put every term into the criterion, "
+                    f"per example (a function of the outputs and targets returning one loss per row). {how}"
+                )
 
     def _check_rows_drawn(self) -> None:
         """At a release: refuse more rows in the forwards since the last release than examples the private data loader

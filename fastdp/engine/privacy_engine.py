@@ -5,23 +5,29 @@ An Opacus script runs by changing its import line::
     from fastdp import PrivacyEngine          # was: from opacus import PrivacyEngine
 
     engine = PrivacyEngine()
-    model, optimizer, train_loader = engine.make_private_with_epsilon(
-        module=model, optimizer=optimizer, data_loader=train_loader,
-        target_epsilon=3.0, target_delta=1e-5, epochs=10, max_grad_norm=1.0)
+    model, optimizer, criterion, train_loader = engine.make_private_with_epsilon(
+        module=model, optimizer=optimizer, data_loader=train_loader, criterion=nn.CrossEntropyLoss(),
+        grad_sample_mode="ghost", target_epsilon=3.0, target_delta=1e-5, epochs=10, max_grad_norm=1.0)
     for x, y in train_loader:                 # Poisson batches (possibly empty)
         optimizer.zero_grad()
-        loss = criterion(model(x), y)         # mean over the batch's examples
+        loss = criterion(model(x), y)         # mean over the batch's examples (fastdp.engine.DPLoss)
         loss.backward()                       # one backward: per-example norms from each layer's A and G
         optimizer.step()                      # clipped sum + noise once, original optimizer step, accounting
     print(engine.get_epsilon(1e-5))
 
 What is the same as Opacus: the names and meanings of ``make_private`` / ``make_private_with_epsilon`` and their
-arguments, the returned ``(module, optimizer, data_loader)`` (four values with ``grad_sample_mode="ghost"``, the
-criterion passed through), Poisson batches with expected size the loader's ``batch_size``, ``loss_reduction``
-("mean": the noisy sum is divided by the expected batch size; "sum": not), ``clipping="flat"|"per_layer"``,
-``get_epsilon(delta)``, ``secure_mode``.
+arguments, the returned ``(module, optimizer, data_loader)`` (four values with ``grad_sample_mode="ghost"``: the
+criterion, wrapped, as Opacus' ghost clipping), Poisson batches with expected size the loader's ``batch_size``,
+``loss_reduction`` ("mean": the noisy sum is divided by the expected batch size; "sum": not),
+``clipping="flat"|"per_layer"``, ``get_epsilon(delta)``, ``secure_mode``.
 
 What differs, and why:
+
+* ``loss_reduction="mean"`` takes its loss from the criterion make_private returns with ``grad_sample_mode="ghost"``
+  (or ``fastdp.engine.DPLoss(criterion, model)``): a plain mean over the batch (``criterion(model(x), y)`` with the
+  user's own criterion) is refused at ``optimizer.step()``. Its 1/n, rounded into every example's gradient, changes
+  when one example is added or removed, and a model's backward can amplify that re-rounding beyond the clipping
+  bound (``fastdp.engine.loss``). ``loss_reduction="sum"`` with a summed loss needs no wrapper.
 
 * The per-example path is fastdp's (``fastdp.engine.PrivateModule``): one forward, one backward, no per-sample
   gradient tensors; ``grad_sample_mode`` is accepted and ignored.
@@ -73,6 +79,7 @@ from fastdp.algorithms.base import trainable_parameters
 from fastdp.engine import checkpoint
 from fastdp.engine.data import DPDataLoader
 from fastdp.engine.distributed import DataParallel, software_fingerprint
+from fastdp.engine.loss import DPLoss
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
 from fastdp.nn import validate
@@ -231,8 +238,9 @@ class PrivacyEngine:
         self.accountant.truncation = lambda steps: truncation_delta(noise_multiplier, steps, d, r)
         dp_optimizer.data_loader = loader  # a step's rows against the examples drawn for it
         self.optimizer = dp_optimizer
-        if grad_sample_mode == "ghost":
-            return private, self.optimizer, criterion, loader
+        if grad_sample_mode == "ghost":  # Opacus' ghost clipping: the criterion, wrapped (its default loss)
+            dp_loss = DPLoss(nn.CrossEntropyLoss() if criterion is None else criterion, private, loss_reduction)
+            return private, self.optimizer, dp_loss, loader
         return private, self.optimizer, loader
 
     def _variant(self, name: str, bounds: dict, sigma: float, q: float, n: int, seed: int | None):

@@ -26,6 +26,7 @@ The context lives for one step only: nothing is registered on the model.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -56,6 +57,8 @@ class Record:
     sums: list[CompensatedSum] | None = None  # ... and the batch's gradient of each of ``layer.dp_parameters()``
 
     def _capture(self, grad: torch.Tensor) -> None:
+        if getattr(_state, "criterion_passes", 0):  # not the model's backward (criterion_pass)
+            return
         if self.summed:
             self._sum(grad)
             return
@@ -150,6 +153,18 @@ class GhostClipping:
         if self.sums:
             with _summing_lock:
                 _summing -= 1
+
+
+@contextlib.contextmanager
+def criterion_pass():
+    """Records ignore the gradients of a backward run inside (this thread): ``fastdp.engine.loss.DPLoss`` measures
+    what its criterion sends the model's outputs with a backward of the loss's graph alone, which stops at the outputs
+    but fires their tensor hooks, a DP layer's where the layer made an output (its G would be counted twice)."""
+    _state.criterion_passes = getattr(_state, "criterion_passes", 0) + 1
+    try:
+        yield
+    finally:
+        _state.criterion_passes -= 1
 
 
 def _checkpointing() -> bool:

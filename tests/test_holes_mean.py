@@ -1,0 +1,265 @@
+"""The front door's ``loss_reduction="mean"`` (``fastdp.engine.loss``): a plain batch mean's 1/n, rounded into every
+example's output gradient, changes with n, and a backward that nearly cancels amplifies that re-rounding. Measured
+before the fix, DP-SGD through the front door on the model below (identical examples, each under the clip): one
+example moved the released sum by 0.41 C at n = 300, 3.8 C at 3001 and 21.6 C at 10 000. Now a plain mean is refused
+and the DP criterion seeds each example's loss with the backward's own seed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdp import PrivacyEngine
+from fastdp.algorithms import DPSGD, JL, BackpropClip
+from fastdp.engine import DPLoss
+
+RELEASING = {"dpsgd": DPSGD, "jl": JL, "backprop": BackpropClip}
+BOUNDS = {"dpsgd": dict(max_grad_norm=1.0), "jl": dict(max_grad_norm=1.0, projections=4),
+          "backprop": dict(input_clip=1.0, grad_clip=1.0)}  # fmt: skip
+
+
+class Cancel(nn.Module):
+    """h Wa^T - h Wb^T with Wb = Wa (1 + eps): a backward whose result is the small difference of large terms."""
+
+    def __init__(self, d: int, k: int, eps: float) -> None:
+        super().__init__()
+        w = torch.randn(k, d, generator=torch.Generator().manual_seed(1))
+        self.register_buffer("wa", w)
+        self.register_buffer("wb", w * (1 + eps))
+
+    def forward(self, h):
+        return h @ self.wa.T - h @ self.wb.T
+
+
+def _data(n: int):
+    torch.manual_seed(0)
+    x = torch.randn(1, 4).repeat(n, 1)
+    c = torch.randn(1, 2).repeat(n, 1) * 1e3
+    return x, c
+
+
+def _engine(model, x, c, variant="dpsgd", **extra):
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, c), batch_size=x.shape[0])
+    return PrivacyEngine(accountant="pld").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader, noise_multiplier=0.0,
+        reproducible_seed=1, variant=variant, criterion=lambda out, c: (out * c).sum(1), grad_sample_mode="ghost",
+        **BOUNDS[variant], **extra)  # fmt: skip
+
+
+def _released(variant: str, base: nn.Module, x, c, rows, loss: str = "dp") -> list[torch.Tensor]:
+    """The sums the variant releases (noise 0) for the rows ``rows`` of (x, c), the loss written as ``loss``."""
+    cls, released = RELEASING[variant], []
+    original = cls.release
+
+    def capture(self, model, sums, step):
+        released.append([s.detach().clone() for s in sums])
+        original(self, model, sums, step)
+
+    model = copy.deepcopy(base)
+    private, optimizer, criterion, _ = _engine(model, x, c, variant)
+    optimizer.zero_grad()
+    out = private(x[rows])
+    if loss == "plain":
+        total = (out * c[rows]).sum(1).mean()
+    elif loss == "mixed":
+        total = criterion(out, c[rows]) + 10.0 * out.sum(1).mean()
+    else:
+        total = criterion(out, c[rows])
+    total.backward()
+    cls.release = capture
+    try:
+        optimizer.step()
+    finally:
+        cls.release = original
+    return released[-1]
+
+
+@pytest.mark.parametrize("variant", ["dpsgd", "jl", "backprop"])
+@pytest.mark.parametrize("loss", ["plain", "mixed"])
+def test_a_plain_mean_or_a_mean_term_beside_the_dp_criterion_is_refused(variant, loss):
+    base = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), Cancel(64, 2, 3.8e-6))
+    x, c = _data(16)
+    match = "needs the loss from fastdp's DP criterion" if loss == "plain" else "also got gradient from other terms"
+    with pytest.raises(ValueError, match=match):
+        _released(variant, base, x, c, slice(0, 16), loss)
+
+
+@pytest.mark.parametrize("variant", ["dpsgd", "backprop"])
+def test_the_dp_criterions_leave_one_out_change_is_one_examples_on_a_cancelling_backward(variant):
+    """3001 identical examples through a backward that cancels to 4e-6 of its terms: with the DP criterion the release
+    without example 0 differs by example 0's own (clipped) gradient, whatever n (a plain mean moved it by 3.8 C)."""
+    base = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), Cancel(64, 2, 3.8e-6))
+    n = 3001
+    x, c = _data(n)
+    whole, without = _released(variant, base, x, c, slice(0, n)), _released(variant, base, x, c, slice(1, n))
+    scale = n if variant == "dpsgd" else 1.0  # DP-SGD's sums carry 1/(qN), qN the loader's batch size n
+
+    def norm(sums):
+        return sum(float(t.double().square().sum()) for t in sums) ** 0.5 * scale
+
+    change = norm([a - b for a, b in zip(whole, without, strict=True)])
+    own = norm(_released(variant, base, x, c, slice(0, 1)))  # example 0 alone: its own clipped gradient
+    assert 0.05 < own <= 1.0 and change <= 1.0, (change, own)
+    # example 0's gradient computed alone (a batch of 1: other GEMM kernels than at 3001 rows on CPU, whose rounding
+    # the cancellation amplifies to ~1e-3 of it) against its share of the release: no term grows with n
+    assert abs(change - own) <= 1e-2 * own, (change, own)
+
+
+def _private(n: int = 6, loss_reduction: str = "mean"):
+    model = nn.Sequential(nn.Linear(4, 3))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(n, 4), torch.randint(0, 3, (n,))), batch_size=n)  # fmt: skip
+    private, optimizer, _ = PrivacyEngine(accountant="pld").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0, reproducible_seed=1, loss_reduction=loss_reduction)  # fmt: skip
+    return private, optimizer
+
+
+def test_the_dp_criterion_gives_the_mean_and_the_sum_and_leaves_the_users_module_alone():
+    private, optimizer = _private()
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    user = nn.CrossEntropyLoss()
+    cases = [(DPLoss(user, private), F.cross_entropy), (DPLoss(F.cross_entropy, private), F.cross_entropy),
+             (DPLoss(user, private, "sum"), lambda o, t: F.cross_entropy(o, t, reduction="sum"))]  # fmt: skip
+    for criterion, want in cases:
+        optimizer.zero_grad()
+        out = private(x)
+        loss = criterion(out, y)
+        torch.testing.assert_close(loss, want(out, y))
+        loss.backward()
+        optimizer.step()
+    assert user.reduction == "mean"
+    assert DPLoss(DPLoss(user, private), private).criterion is user
+
+
+def test_the_dp_criterion_seeds_each_examples_loss_with_the_backwards_own_seed():
+    """The gradient reaching the model is the backward's seed times each example's own loss gradient, for a seed of
+    1 and a user's scaling (gradient accumulation), never divided by n."""
+    private, _ = _private()
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    for seed in (1.0, 0.25, 0.3):
+        out = private(x)
+        grad = torch.autograd.grad(DPLoss(F.cross_entropy, private)(out, y) * seed, out)[0]
+        want = torch.autograd.grad(F.cross_entropy(out, y, reduction="none").sum() * seed, out)[0]
+        assert torch.equal(grad, want), seed
+        private._pending.clear()
+
+
+def test_per_element_losses_are_averaged_within_each_example():
+    """[B, T] per-token losses and the batch's tokens flattened [B * T] give each example the mean of its own."""
+    private, _ = _private(n=3)
+    x = torch.randn(3, 4)
+    tokens = torch.randint(0, 3, (3, 5))
+    out = private(x)
+    logits = out.unsqueeze(1).expand(3, 5, 3)
+    want = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none").mean(1).mean()
+    flat = DPLoss(F.cross_entropy, private)(logits.reshape(15, 3), tokens.reshape(15))
+    torch.testing.assert_close(flat, want)
+    by_row = DPLoss(F.cross_entropy, private)(logits.transpose(1, 2), tokens)
+    torch.testing.assert_close(by_row, want)
+
+
+def test_a_criterion_that_is_not_per_example_or_not_on_the_models_output_is_refused():
+    private, _ = _private(n=4)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    out = private(x)
+    with pytest.raises(ValueError, match="one number for the whole batch"):
+        DPLoss(lambda o, t: (o * 0).sum(), private)(out, y)
+    with pytest.raises(ValueError, match=r"shape \(6,\) for a batch of 4 examples"):
+        DPLoss(lambda o, t: o.reshape(-1)[:6], private)(out, y)
+    with pytest.raises(ValueError, match="not computed from an output of the private model"):
+        DPLoss(F.cross_entropy, private)(torch.randn(4, 3, requires_grad=True), y)
+    with pytest.raises(TypeError, match="private model make_private returned"):
+        DPLoss(F.cross_entropy, nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="reduction must be"):
+        DPLoss(F.cross_entropy, private, "max")
+
+
+def test_a_plain_sum_needs_no_criterion():
+    """loss_reduction="sum": the user's own summed loss seeds each example with 1, as before."""
+    private, optimizer = _private(loss_reduction="sum")
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    F.cross_entropy(private(x), y, reduction="sum").backward()
+    optimizer.step()
+    assert all(p.grad is not None for p in private.parameters())
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.a(h), self.b(h)
+
+
+@pytest.mark.parametrize(
+    ("loss", "refused"),
+    [("dp", False), ("dp-derived", False), ("dp-both-heads", False), ("second-head-mean", True),
+     ("derived-plus-mean", True), ("float-plus-mean", True)],
+)  # fmt: skip
+def test_every_output_of_the_forward_gets_gradient_from_the_dp_criterion_alone(loss, refused):
+    """A plain-mean term reaches the model through any output (a second head) or through the DP criterion's output
+    before a view, cast or scaling: each output's whole gradient is compared with what the DP criteria sent it."""
+    model = TwoHeads()
+    n = 8
+    x, y = torch.randn(n, 4), torch.randint(0, 2, (n,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=n)
+    private, optimizer, criterion, _ = PrivacyEngine(accountant="pld").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader, noise_multiplier=1.0,
+        max_grad_norm=1.0, reproducible_seed=1, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost")  # fmt: skip
+    a, b = private(x)
+    total = {
+        "dp": lambda: criterion(a, y),
+        "dp-derived": lambda: criterion(a[:, :2] / 0.5, y),
+        "dp-both-heads": lambda: criterion(a, y) + criterion(b, y),
+        "second-head-mean": lambda: criterion(a, y) + b.pow(2).mean(),
+        "derived-plus-mean": lambda: criterion(a * 1.0, y) + a.pow(2).mean(),
+        "float-plus-mean": lambda: criterion(a.float() + 0, y) + 0.1 * a.sum(1).mean(),
+    }[loss]()
+    total.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    if refused:
+        with pytest.raises(ValueError, match="also got gradient from other terms"):
+            optimizer.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    else:
+        optimizer.step()
+        assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("variant", ["dpsgd", "jl"])
+def test_the_dp_criterion_counts_each_examples_gradient_once(variant):
+    """The DP criterion's own backward of the loss (what it sends the outputs) reaches the model's output, a DP
+    layer's output here, without adding to that layer's G: examples under the clip release exactly the variant
+    API's sum (a doubled G would release twice that; clipped examples would hide it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    n = 6
+    x, y = torch.randn(n, 4) * 1e-3, torch.randint(0, 3, (n,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=n)
+    copied = copy.deepcopy(model)
+    private, optimizer, criterion, _ = PrivacyEngine(accountant="pld").make_private(
+        module=copied, optimizer=torch.optim.SGD(copied.parameters(), lr=0.0), data_loader=loader,
+        noise_multiplier=0.0, reproducible_seed=1, variant=variant, criterion=nn.CrossEntropyLoss(),
+        grad_sample_mode="ghost", **{**BOUNDS[variant], "max_grad_norm": 100.0})  # fmt: skip
+    optimizer.zero_grad()
+    criterion(private(x), y).backward()
+    optimizer.step()
+    released = [p.grad.double() for p in private.parameters()]
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(x), y, reduction="sum").backward()
+
+    def norm(i: int) -> torch.Tensor:
+        loss = F.cross_entropy(reference(x[i : i + 1]), y[i : i + 1])
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(reference.parameters()))]).norm()
+
+    norms = torch.stack([norm(i) for i in range(n)])
+    assert norms.max() < 10.0  # every example far under the clip: the release is the plain sum over qN = n
+    for got, p in zip(released, reference.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad.double() / n, rtol=1e-5, atol=1e-8)
