@@ -435,11 +435,12 @@ def summed_loss_gradients(
     return sums, losses.detach().sum()
 
 
-def summed_forward(forward, examples: int) -> tuple[torch.Tensor, list]:
+def summed_forward(forward, examples: int, gate=None) -> tuple[torch.Tensor, list]:
     """(``forward()``, its records): the forward in a summing :class:`fastdp.nn.GhostClipping`, where the layers of the
     variants whose bound lives in the network (``fastdp.nn.layers.SummedLayer``) record themselves and will sum their
-    parameters' gradients over the batch in float64 in the backward (:func:`bounded_gradient_sums`)."""
-    with GhostClipping(examples, sums=True) as ctx:
+    parameters' gradients over the batch in float64 in the backward (:func:`bounded_gradient_sums`). ``gate``: the
+    front door's (``fastdp.nn.ghost.Gate``)."""
+    with GhostClipping(examples, sums=True, gate=gate) as ctx:
         output = forward()
     return output, ctx.records
 

@@ -12,17 +12,25 @@ n = 3001 and 21.6 C at n = 10 000. With ``loss_reduction="sum"`` the seed is 1 f
 exists.
 
 ``DPLoss(criterion, module)`` computes the per-example losses (the criterion with ``reduction="none"``; a function is
-called as it is and must return one loss per row), reduces each example's own elements by their mean (Opacus'
-convention for per-token losses), and returns the batch's mean (``loss_reduction="mean"``) or sum as the loss's value,
-whose backward sends each example's loss the backward's own seed (1 for ``loss.backward()``, whatever the user scales
-it by), never 1/n: the release then divides the noisy sum by the expected batch size, the same ``p.grad`` as a mean.
-Under ``loss_reduction="mean"`` the optimizer refuses a step whose private forward was not backpropagated through a
-DPLoss, or whose DPLoss input got gradient from other terms of the loss as well (a plain-mean regularizer on the same
-tensor). ``make_private(..., criterion=..., grad_sample_mode="ghost")`` returns one, as Opacus does for ghost clipping.
+called as it is and must return one loss per row of its input), sums each row's elements (never their mean: its
+divisor would count the padded positions the batch's longest example sets), and returns the rows' mean
+(``loss_reduction="mean"``) or sum as the loss's value. The value is not connected to the losses' graph: its backward
+hands each row's loss the backward's seed, measures what the criterion sends each output of the private forward (the
+loss's graph alone) and keeps it; ``optimizer.step()`` backpropagates it through the model inside the forward's gate
+(``fastdp.nn.ghost.Gate``), the only backward the forward's DP layers then record. Under ``loss_reduction="mean"``
+the step is refused when the private forward's loss did not come from a DPLoss, when any gradient reached its DP
+layers otherwise (another term of the loss, by any path into the model: an output, a stored activation, a hooked
+tensor), and when the DPLoss's loss was scaled before ``backward()`` (a seed other than 1: ``loss / len(x)`` is the
+plain mean again). The release divides the noisy sum by the expected batch size, the same ``p.grad`` as a mean.
+``make_private(..., criterion=..., grad_sample_mode="ghost")`` returns one, as Opacus does for ghost clipping.
+
+What the criterion computes is the user's part of the contract: a criterion (or a tensor hook on the loss's tensors)
+whose loss for one row reads other rows or the batch's size is not detected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -31,40 +39,40 @@ import torch
 from torch import nn
 
 from fastdp.engine.module import PrivateModule, Recorded
-from fastdp.nn.ghost import criterion_pass
 
 
 class _SeededReduction(torch.autograd.Function):
-    """The batch's mean or sum of per-example losses, whose backward gives each example the incoming seed itself, and
-    records what those losses send each output of their forwards (:meth:`Recorded.check_gradient` compares it with
-    everything that reaches the output)."""
+    """The batch's mean or sum of per-example losses, not connected to their graph: the backward hands each row's loss
+    the incoming seed itself, measures what the criterion sends its input (the criterion's own graph; the DP layers
+    ignore it: ``Gate.measure``) and keeps it for the step to backpropagate from that input, through whatever lies
+    between it and the model's outputs, and the model (``Recorded.backpropagate_sent``). Nothing flows from here into
+    the model during the user's backward, so whatever reaches its DP layers then came from elsewhere (``Gate``)."""
 
     @staticmethod
-    def forward(ctx, per: torch.Tensor, mean: bool, forwards: list) -> torch.Tensor:
-        ctx.save_for_backward(per)
-        ctx.forwards = forwards
+    def forward(ctx, anchor: torch.Tensor, mean: bool, held: list) -> torch.Tensor:
+        ctx.held = held  # [per-example losses, the criterion's input, the forwards]: not autograd inputs (not followed)
+        per = held[0].detach()
         return per.mean() if mean else per.sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (per,) = ctx.saved_tensors
+        if ctx.held is None:
+            raise RuntimeError("the DP criterion's loss was backpropagated twice: call backward() once per loss (the "
+                               "step backpropagates what it measured through the model once)")  # fmt: skip
+        per, input, forwards = ctx.held
+        ctx.held = None
         seeds = grad.expand(per.shape)
-        outputs = [(r, k, t) for r in ctx.forwards for k, t in enumerate(r.outputs()) if t.requires_grad]
-        if outputs:  # the criterion's own gradient at each output: the loss's graph only, once more
-            for recorded in ctx.forwards:  # this backward fires the outputs' hooks too: not the whole gradient
-                recorded.measuring += 1
-            try:
-                with criterion_pass():  # the DP layers' records ignore it
-                    sent = torch.autograd.grad(per, [t for _, _, t in outputs], seeds, retain_graph=True,
-                                               allow_unused=True)  # fmt: skip
-            finally:
-                for recorded in ctx.forwards:
-                    recorded.measuring -= 1
-            for (recorded, k, _), part in zip(outputs, sent, strict=True):
-                recorded.add_criterion_gradient(k, part)
-        for recorded in ctx.forwards:
+        with contextlib.ExitStack() as stack:  # the criterion's own graph only: the DP layers ignore it
+            for recorded in forwards:
+                stack.enter_context(recorded.gate.measure())
+            # retain_graph: several DP criteria may share nodes of the loss's graph; it goes with ``per`` (dropped)
+            (sent,) = torch.autograd.grad(per, [input], seeds, retain_graph=True, allow_unused=True)
+        for recorded in forwards:
             recorded.seeded = True
-        return seeds, None, None
+            recorded.seeds.append(grad.detach())
+        if sent is not None and forwards:
+            forwards[0].sent.append((input, sent))  # one backward from every criterion's input, at the step
+        return None, None, None
 
 
 def _per_example_criterion(criterion):
@@ -144,7 +152,8 @@ class DPLoss(nn.Module):
                             f"{type(input).__name__}")  # fmt: skip
         pending = self._module._pending
         forwards = _forwards_of(input, pending) if input.requires_grad else []
-        if input.requires_grad and not forwards:
+        plain = not forwards and not self._module.training  # an evaluation forward's loss: the plain criterion
+        if input.requires_grad and not forwards and not plain:
             raise ValueError(
                 "the criterion's input was not computed from an output of the private model's training forward since "
                 "the last step: compute the loss from what the model returned, after the forward"
@@ -156,12 +165,18 @@ class DPLoss(nn.Module):
                 "the criterion gave one number for the whole batch: DPLoss needs one loss per example (a torch loss "
                 "module is called with reduction='none'; a function must return one loss per row)"
             )
-        n = forwards[0].examples if forwards else per.shape[0]
-        if per.shape[0] != n:
-            if per.dim() != 1 or per.numel() % n:
-                raise ValueError(
-                    f"the criterion gave losses of shape {tuple(per.shape)} for a batch of {n} examples: its first "
-                    "dimension must be the batch, or the batch's rows flattened (n x positions)"
-                )
-        per = per.reshape(n, -1).mean(1) if per.dim() > 1 or per.shape[0] != n else per
-        return _SeededReduction.apply(per, self.reduction == "mean", forwards)
+        rows = input.shape[0] if input.dim() else 0
+        if per.shape[0] != rows:
+            raise ValueError(
+                f"the criterion gave losses of shape {tuple(per.shape)} for an input of {rows} rows: its first "
+                "dimension must be the input's rows (one loss per example, or per row of the batch's rows flattened)"
+            )
+        # an example's (a row's) elements are summed, never averaged: a mean's divisor would count its padded
+        # positions, set by the batch's longest example (one example then rescales every other's gradient)
+        per = per.reshape(rows, -1).sum(1) if per.dim() > 1 else per
+        if forwards and any(r.gate is None for r in forwards):
+            raise ValueError("DPLoss works with the front door's forwards only (make_private's model)")
+        if plain:
+            return per.mean() if self.reduction == "mean" else per.sum()
+        anchor = torch.zeros((), device=per.device, requires_grad=True)
+        return _SeededReduction.apply(anchor, self.reduction == "mean", [per, input, forwards])

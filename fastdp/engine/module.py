@@ -30,7 +30,7 @@ divisor counts every example's tokens) is not a mean over examples; average each
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from fastdp.algorithms.base import Variant, summed_forward
 from fastdp.nn import GhostClipping, check_supported, convert
+from fastdp.nn.ghost import Gate
 
 
 @dataclass
@@ -53,10 +54,10 @@ class Recorded:
     leaf: torch.Tensor | None = None  # ... and the detached leaf the user's loss was computed from
     public: bool = False  # run under PrivateModule.public(): rows of no private example (a GAN's generated batch)
     output_tensors: tuple = ()  # "ghost": the output's tensors (fastdp.engine.loss.DPLoss)
-    seeded: bool = False  # a DPLoss backward reached it: each example's loss got the backward's seed, never 1/n
-    foreign: list = field(default_factory=list)  # per output: whether gradient other than the DPLoss's reached it
-    criterion_grads: dict = field(default_factory=dict)  # output index -> what the DPLoss criteria sent it
-    measuring: int = 0  # inside DPLoss's own backward of the criterion (its hooks calls are not the whole gradient)
+    gate: Gate | None = None  # who may send its DP layers their gradient (fastdp.nn.ghost.Gate)
+    seeded: bool = False  # a DPLoss's backward reached it: each example's loss got that backward's seed, never 1/n
+    seeds: list = field(default_factory=list)  # those seeds (a 0-d tensor per DPLoss backward; must be 1 under "mean")
+    sent: list = field(default_factory=list)  # (a DPLoss criterion's input, its gradient there): backpropagate_sent
 
     def outputs(self) -> tuple:
         """The tensors the user's loss is computed from: the output leaf ("output") or the output's tensors."""
@@ -66,35 +67,43 @@ class Recorded:
     def output_nodes(self) -> tuple:
         return tuple(t.grad_fn for t in self.output_tensors if t.grad_fn is not None)
 
-    def add_criterion_gradient(self, k: int, part: torch.Tensor | None) -> None:
-        if part is not None:
-            have = self.criterion_grads.get(k)
-            self.criterion_grads[k] = part if have is None else have + part
-
-    def check_gradient(self, k: int, total: torch.Tensor) -> None:
-        """Tensor hook of output k (its whole gradient): whether it differs from what DPLoss criteria sent it (another
-        term of the loss reached the model; read on the host at the step), the criteria's part then dropped."""
-        if self.measuring:
-            return
-        mine = self.criterion_grads.pop(k, None)
-        if mine is None:
-            self.foreign.append(torch.ones((), dtype=torch.bool, device=total.device))
-        else:
-            self.foreign.append((total != mine).any())
-
-    def watch_gradients(self) -> None:
-        """Hook every output tensor that requires grad (:meth:`check_gradient`)."""
-        for k, t in enumerate(self.outputs()):
-            if t.requires_grad:
-                t.register_hook(functools.partial(self.check_gradient, k))
-
     @property
     def backpropagated(self) -> bool:
         """Whether the user's backward reached this forward (the output leaf's gradient, or a DP layer's G; a forward
         without DP layer calls counts, its step then names the parameters no DP layer covered)."""
+        if self.seeded or (self.gate is not None and self.gate.foreign):  # a DPLoss, or a gated-out gradient
+            return True
         if self.output is not None:
             return self.leaf.grad is not None
         return not self.records or any(r.grad is not None or r.formed is not None for r in self.records)
+
+
+def _output_tensors(out) -> list[torch.Tensor]:
+    """The tensors of a forward's output: pytree containers (tuples, lists, dicts, Hugging Face outputs) and
+    dataclasses walked."""
+    found = []
+    for leaf in tree_flatten(out)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found.extend(_output_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+    return found
+
+
+def backpropagate_sent(forwards: list[Recorded]) -> None:
+    """The backward of what the DPLoss criteria sent their inputs (``Recorded.sent``), through whatever lies between
+    those inputs and the forwards' outputs and through the model: once, from all of them at once (each node reached
+    once: an output upstream of another is not counted twice), inside every forward's gate (under "mean" the only
+    backward their DP layers record)."""
+    sent = [item for recorded in forwards for item in recorded.sent]
+    for recorded in forwards:
+        recorded.sent = []
+    if sent:
+        with contextlib.ExitStack() as stack:
+            for recorded in forwards:
+                if recorded.gate is not None:
+                    stack.enter_context(recorded.gate.drive())
+            torch.autograd.backward([t for t, _ in sent], [g for _, g in sent])
 
 
 def batch_size_of(args: tuple, kwargs: dict) -> int | None:
@@ -131,7 +140,7 @@ class PrivateModule(nn.Module):
         self._internal_loss = False
         self._buffer_watch = None  # the step's watch on the model's buffers, from its first training forward
         self._public = False
-        # loss_reduction="mean" (set by DPOptimizer): every private forward's output gradient must come from DPLoss
+        # loss_reduction="mean" (set by DPOptimizer): only DPLoss may backpropagate into a private forward (Gate)
         self._seeded_losses = False
 
     def __getattr__(self, name: str):
@@ -153,13 +162,12 @@ class PrivateModule(nn.Module):
         if self._buffer_watch is None:
             self._buffer_watch = self._variant.watch_buffers(self._module)
         if self._variant.front_door == "ghost":
-            with GhostClipping(examples, self._variant.form_budget) as ctx:
+            gate = Gate(strict=self._seeded_losses and not self._public)
+            with GhostClipping(examples, self._variant.form_budget, gate=gate) as ctx:
                 out = self._module(*args, **kwargs)
-            tensors = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad)
-            recorded = Recorded(ctx.records, examples, inputs, public=self._public, output_tensors=tensors)
-            self._pending.append(recorded)
-            if self._seeded_losses and not self._public:
-                recorded.watch_gradients()
+            tensors = tuple(t for t in _output_tensors(out) if t.requires_grad)
+            self._pending.append(Recorded(ctx.records, examples, inputs, public=self._public, output_tensors=tensors,
+                                          gate=gate))  # fmt: skip
             self._watch_internal_loss(out)
             return out
         return self._output_forward(args, kwargs, examples)
@@ -206,7 +214,8 @@ class PrivateModule(nn.Module):
                 f"variant {variant.name!r} cannot train under autocast ({autocast[0]}): "
                 f"{variant.low_precision_refusal}. Run its forward in fp32 (autocast is available for variant='dpsgd')"
             )
-        out, records = summed_forward(lambda: variant.output_forward(self._module, args, kwargs), examples)
+        gate = Gate(strict=self._seeded_losses and not self._public)
+        out, records = summed_forward(lambda: variant.output_forward(self._module, args, kwargs), examples, gate)
         if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != examples:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(
@@ -214,10 +223,7 @@ class PrivateModule(nn.Module):
                 f"return one tensor whose rows are the batch's {examples} examples; it returned {shape}"
             )
         leaf = out.detach().requires_grad_()
-        recorded = Recorded(records, examples, (args, kwargs), out, leaf, public=self._public)
-        self._pending.append(recorded)
-        if self._seeded_losses and not self._public:
-            recorded.watch_gradients()
+        self._pending.append(Recorded(records, examples, (args, kwargs), out, leaf, public=self._public, gate=gate))
         return leaf
 
     def take_recorded(self) -> list[Recorded]:

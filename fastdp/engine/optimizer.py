@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from fastdp.algorithms.base import Variant, fused_optimizer_step, sum_dtype, trainable_parameters
 from fastdp.algorithms.dpsgd import GhostBackward
 from fastdp.engine.fused import TorchOptimizerStep, fusable
-from fastdp.engine.module import PrivateModule, Recorded
+from fastdp.engine.module import PrivateModule, Recorded, backpropagate_sent
 from fastdp.nn import check_supported
 from fastdp.nn.ghost import output_gradients
 from fastdp.nn.rows import RowProbe, _rows_of, row_functional
@@ -209,14 +209,17 @@ class DPOptimizer(Optimizer):
     def _output_sums(self, recorded: Recorded) -> list[torch.Tensor]:
         """An "output" variant's sums of one forward: the loss's gradient at the output (each row the example's own
         loss gradient: :meth:`_loss_scale`), backpropagated once through the model by the variant."""
-        grad = recorded.leaf.grad
         model, n = self.module._module, recorded.examples
         if n >= 2:
             self._check_rows(model, recorded.inputs, n)
-        scale = self._loss_scale(recorded, grad.dtype)
-        if scale != 1.0:  # a public forward's plain mean (below)
-            grad = (grad.double() / scale).to(grad.dtype)
-        sums = self.variant.sums_of_output(model, recorded.output, grad, recorded.records)
+        grad = recorded.leaf.grad
+        if grad is not None:
+            scale = self._loss_scale(recorded, grad.dtype)
+            if scale != 1.0:  # a public forward's plain mean (below)
+                recorded.leaf.grad = (grad.double() / scale).to(grad.dtype)
+        grad = recorded.leaf.grad  # the DP criteria's part included (backpropagate_sent, in pre_step)
+        with recorded.gate.drive() if recorded.gate is not None else contextlib.nullcontext():
+            sums = self.variant.sums_of_output(model, recorded.output, grad, recorded.records)
         recorded.records.clear()
         return sums
 
@@ -296,6 +299,7 @@ class DPOptimizer(Optimizer):
             )
         if self.loss_reduction == "mean":
             self._check_seeded(private_forwards)
+        backpropagate_sent(recorded_forwards)  # the DP criteria's backward through the model (fastdp.engine.loss)
         loader = self.data_loader
         if self._sums is not None and loader is not None and loader.batches_drawn != self._pending_batch:
             self.drop_pending_sums()  # pending sums of a logical batch abandoned for a newer sample of the loader
@@ -331,12 +335,20 @@ class DPOptimizer(Optimizer):
                     "model's backward can amplify that re-rounding of every other example's gradient far beyond the "
                     f"clipping bound (21.6 x at 10 000 examples: tests/test_holes_mean.py). {how}"
                 )
-            if any(bool(other) for other in recorded.foreign):
+            if recorded.gate.foreign or (recorded.leaf is not None and recorded.leaf.grad is not None):
                 raise ValueError(
-                    "the model's output also got gradient from other terms of the loss than the DP criterion's (e.g. a "
-                    "regularizer or a second head's loss averaged over the batch): under loss_reduction='mean' only "
-                    "the DP criterion's per-example losses may reach the model. Put every term into the criterion, "
-                    f"per example (a function of the outputs and targets returning one loss per row). {how}"
+                    "the model also got gradient from other terms of the loss than the DP criterion's (a regularizer, "
+                    "an auxiliary head's or a stored activation's loss, averaged over the batch or not): under "
+                    "loss_reduction='mean' only the DP criterion's per-example losses may reach the model. Put every "
+                    f"term into the criterion, per example (a function of the outputs giving one loss per row). {how}"
+                )
+            if any(bool(seed != 1) for seed in recorded.seeds):
+                raise ValueError(
+                    "the DP criterion's loss was scaled before backward() (e.g. divided by the batch's size or token "
+                    "count): a scale that depends on the batch re-rounds every example's gradient as a plain mean "
+                    "does, so under loss_reduction='mean' the criterion's loss is backpropagated as it is "
+                    "(loss.backward()); it is already the batch's mean, and BatchMemoryManager accumulates physical "
+                    f"batches without scaling. {how}"
                 )
 
     def _check_rows_drawn(self) -> None:

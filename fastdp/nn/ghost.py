@@ -41,6 +41,45 @@ _summing_lock = threading.Lock()
 
 
 @dataclass
+class Gate:
+    """Who may send one forward's DP layers their gradient G. The front door's ``loss_reduction="mean"``
+    (``fastdp.engine.loss.DPLoss``) makes its private forwards ``strict``: only the backward the DP criterion drives
+    (``driving``) reaches their records; a gradient arriving otherwise (another term of the loss, by any path into
+    the model) is not recorded and marks ``foreign``, and the step is refused. While ``measuring`` (the criterion's
+    own backward, which stops at the forward's outputs but fires the hooks of a DP layer whose output is one), arriving
+    gradients are ignored."""
+
+    strict: bool = False
+    driving: int = 0
+    measuring: int = 0
+    foreign: bool = False
+
+    def admits(self) -> bool:
+        if self.measuring:
+            return False
+        if self.strict and not self.driving:
+            self.foreign = True
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def drive(self):
+        self.driving += 1
+        try:
+            yield
+        finally:
+            self.driving -= 1
+
+    @contextlib.contextmanager
+    def measure(self):
+        self.measuring += 1
+        try:
+            yield
+        finally:
+            self.measuring -= 1
+
+
+@dataclass
 class Record:
     """One DP layer call: the layer, what it saved (detached), its output's shape and dtype, and G once the backward
     ran."""
@@ -55,9 +94,10 @@ class Record:
     formed_from_half: bool = False  # whether the A or G that ``formed`` came from had a dtype below float32
     summed: bool = False  # a summing context's record (:class:`GhostClipping`, ``sums``) ...
     sums: list[CompensatedSum] | None = None  # ... and the batch's gradient of each of ``layer.dp_parameters()``
+    gate: Gate | None = None  # the forward's (:class:`Gate`), where the front door restricts who backpropagates
 
     def _capture(self, grad: torch.Tensor) -> None:
-        if getattr(_state, "criterion_passes", 0):  # not the model's backward (criterion_pass)
+        if self.gate is not None and not self.gate.admits():
             return
         if self.summed:
             self._sum(grad)
@@ -103,8 +143,11 @@ class Record:
 class GhostClipping:
     """Context of one DP-SGD step's forward: DP layers record themselves here instead of producing weight grads."""
 
-    def __init__(self, batch: int | None = None, form_budget: int | None = None, sums: bool = False) -> None:
+    def __init__(
+        self, batch: int | None = None, form_budget: int | None = None, sums: bool = False, gate: Gate | None = None
+    ) -> None:
         self.records: list[Record] = []
+        self.gate = gate  # given to every record (:class:`Gate`)
         self.batch = batch  # the number of examples of the forward, where known (an index shared by them is expanded)
         self.form_budget = form_budget  # per-example gradients formed in the hooks, within it (module docstring)
         # a summing context (clipless, weight clipping, backpropagation clipping): the layers of those variants
@@ -128,7 +171,8 @@ class GhostClipping:
                 "inside the forward takes no part in the step. Disable the checkpointing (BatchMemoryManager bounds "
                 "the memory instead), and keep no_grad parts of the model frozen or in eval() mode"
             )
-        record = Record(layer, saved, output.shape, output.dtype, form_budget=self.form_budget, summed=self.sums)
+        record = Record(layer, saved, output.shape, output.dtype, form_budget=self.form_budget, summed=self.sums,
+                        gate=self.gate)  # fmt: skip
         if not output.requires_grad:
             # First layer: neither input nor (detached) parameters need grad. A non-leaf copy keeps in-place
             # ops on the output (ReLU(inplace=True)) legal.
@@ -153,18 +197,6 @@ class GhostClipping:
         if self.sums:
             with _summing_lock:
                 _summing -= 1
-
-
-@contextlib.contextmanager
-def criterion_pass():
-    """Records ignore the gradients of a backward run inside (this thread): ``fastdp.engine.loss.DPLoss`` measures
-    what its criterion sends the model's outputs with a backward of the loss's graph alone, which stops at the outputs
-    but fires their tensor hooks, a DP layer's where the layer made an output (its G would be counted twice)."""
-    _state.criterion_passes = getattr(_state, "criterion_passes", 0) + 1
-    try:
-        yield
-    finally:
-        _state.criterion_passes -= 1
 
 
 def _checkpointing() -> bool:
