@@ -98,6 +98,9 @@ def summary(rows: list[dict], info: dict, command: str, settings: dict) -> str:
         "Each script (`bench/opacus_scripts/`) is written for Opacus; the fastdp run is a copy whose only change is "
         f"`{OPACUS_IMPORT}` -> `{FASTDP_IMPORT}`. Same arguments for both (seed, target epsilon "
         f"{settings['epsilon']}, delta {settings['delta']}, epochs), runs interleaved, each in its own process. "
+        "The scripts use Opacus' ghost-clipping idiom (the criterion passed to `make_private_with_epsilon` with "
+        '`grad_sample_mode="ghost"`, the loop\'s loss from the criterion it returns; since 2026-11-25: fastdp refuses '
+        'a plain batch mean under `loss_reduction="mean"`), so the Opacus runs are Opacus\' ghost clipping. '
         "Seeds fix the model's initialisation (the train/test split is the same for every seed); Opacus' sampling "
         "and noise come from torch's seeded generator, fastdp's from OS entropy. Both calibrate the noise with "
         "`make_private_with_epsilon` (Opacus: its PRV accountant, the default; fastdp: accountant 'prv' is computed "
