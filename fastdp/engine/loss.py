@@ -15,8 +15,8 @@ exists.
 called as it is and must return one loss per row of its input), sums each row's elements (never their mean: its
 divisor would count the padded positions the batch's longest example sets), and returns the rows' mean
 (``loss_reduction="mean"``) or sum as the loss's value. The value is not connected to the losses' graph: its backward
-hands each row's loss the backward's seed, measures what the criterion sends each output of the private forward (the
-loss's graph alone) and keeps it; ``optimizer.step()`` backpropagates it through the model inside the forward's gate
+hands each row's loss the backward's seed, measures what the criterion sends its own input (the criterion's graph
+alone) and keeps it; ``optimizer.step()`` backpropagates it from there through the model inside the forward's gate
 (``fastdp.nn.ghost.Gate``), the only backward the forward's DP layers then record. Under ``loss_reduction="mean"``
 the step is refused when the private forward's loss did not come from a DPLoss, when any gradient reached its DP
 layers otherwise (another term of the loss, by any path into the model: an output, a stored activation, a hooked
@@ -45,8 +45,9 @@ class _SeededReduction(torch.autograd.Function):
     """The batch's mean or sum of per-example losses, not connected to their graph: the backward hands each row's loss
     the incoming seed itself, measures what the criterion sends its input (the criterion's own graph; the DP layers
     ignore it: ``Gate.measure``) and keeps it for the step to backpropagate from that input, through whatever lies
-    between it and the model's outputs, and the model (``Recorded.backpropagate_sent``). Nothing flows from here into
-    the model during the user's backward, so whatever reaches its DP layers then came from elsewhere (``Gate``)."""
+    between it and the model's outputs, and the model (``fastdp.engine.module.backpropagate_sent``). Nothing flows
+    from here into the model during the user's backward, so whatever reaches its DP layers then came from elsewhere
+    (``Gate``)."""
 
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, mean: bool, held: list) -> torch.Tensor:
@@ -174,8 +175,6 @@ class DPLoss(nn.Module):
         # an example's (a row's) elements are summed, never averaged: a mean's divisor would count its padded
         # positions, set by the batch's longest example (one example then rescales every other's gradient)
         per = per.reshape(rows, -1).sum(1) if per.dim() > 1 else per
-        if forwards and any(r.gate is None for r in forwards):
-            raise ValueError("DPLoss works with the front door's forwards only (make_private's model)")
         if plain:
             return per.mean() if self.reduction == "mean" else per.sum()
         anchor = torch.zeros((), device=per.device, requires_grad=True)

@@ -53,19 +53,11 @@ class Recorded:
     output: torch.Tensor | None = None  # "output": the model's output (its graph) ...
     leaf: torch.Tensor | None = None  # ... and the detached leaf the user's loss was computed from
     public: bool = False  # run under PrivateModule.public(): rows of no private example (a GAN's generated batch)
-    output_tensors: tuple = ()  # "ghost": the output's tensors (fastdp.engine.loss.DPLoss)
+    output_nodes: tuple = ()  # "ghost": the autograd nodes of the output's tensors (fastdp.engine.loss.DPLoss)
     gate: Gate | None = None  # who may send its DP layers their gradient (fastdp.nn.ghost.Gate)
     seeded: bool = False  # a DPLoss's backward reached it: each example's loss got that backward's seed, never 1/n
     seeds: list = field(default_factory=list)  # those seeds (a 0-d tensor per DPLoss backward; must be 1 under "mean")
     sent: list = field(default_factory=list)  # (a DPLoss criterion's input, its gradient there): backpropagate_sent
-
-    def outputs(self) -> tuple:
-        """The tensors the user's loss is computed from: the output leaf ("output") or the output's tensors."""
-        return (self.leaf,) if self.leaf is not None else self.output_tensors
-
-    @property
-    def output_nodes(self) -> tuple:
-        return tuple(t.grad_fn for t in self.output_tensors if t.grad_fn is not None)
 
     @property
     def backpropagated(self) -> bool:
@@ -165,8 +157,8 @@ class PrivateModule(nn.Module):
             gate = Gate(strict=self._seeded_losses and not self._public)
             with GhostClipping(examples, self._variant.form_budget, gate=gate) as ctx:
                 out = self._module(*args, **kwargs)
-            tensors = tuple(t for t in _output_tensors(out) if t.requires_grad)
-            self._pending.append(Recorded(ctx.records, examples, inputs, public=self._public, output_tensors=tensors,
+            nodes = tuple(t.grad_fn for t in _output_tensors(out) if t.grad_fn is not None)
+            self._pending.append(Recorded(ctx.records, examples, inputs, public=self._public, output_nodes=nodes,
                                           gate=gate))  # fmt: skip
             self._watch_internal_loss(out)
             return out

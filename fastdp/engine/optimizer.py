@@ -212,12 +212,10 @@ class DPOptimizer(Optimizer):
         model, n = self.module._module, recorded.examples
         if n >= 2:
             self._check_rows(model, recorded.inputs, n)
-        grad = recorded.leaf.grad
-        if grad is not None:
-            scale = self._loss_scale(recorded, grad.dtype)
-            if scale != 1.0:  # a public forward's plain mean (below)
-                recorded.leaf.grad = (grad.double() / scale).to(grad.dtype)
         grad = recorded.leaf.grad  # the DP criteria's part included (backpropagate_sent, in pre_step)
+        scale = 1.0 if grad is None else self._loss_scale(recorded, grad.dtype)
+        if scale != 1.0:  # a public forward's plain mean (below)
+            grad = (grad.double() / scale).to(grad.dtype)
         with recorded.gate.drive() if recorded.gate is not None else contextlib.nullcontext():
             sums = self.variant.sums_of_output(model, recorded.output, grad, recorded.records)
         recorded.records.clear()
@@ -318,8 +316,9 @@ class DPOptimizer(Optimizer):
         return not skip
 
     def _check_seeded(self, forwards: list[Recorded]) -> None:
-        """Under ``loss_reduction="mean"``: the private forward's loss came from a DPLoss, alone on its input
-        (``fastdp.engine.loss``: a plain mean's 1/n re-rounds every example's gradient when n changes)."""
+        """Under ``loss_reduction="mean"``: the private forward's loss came from a DPLoss, unscaled, and nothing else
+        reached its DP layers (``fastdp.engine.loss``: a plain mean's 1/n re-rounds every example's gradient when n
+        changes)."""
         how = (
             "Pass criterion=<your loss> and grad_sample_mode='ghost' to make_private and compute the loss with the "
             "criterion it returns (model, optimizer, criterion, data_loader = engine.make_private(...)), as Opacus' "

@@ -46,7 +46,7 @@ class Gate:
     (``fastdp.engine.loss.DPLoss``) makes its private forwards ``strict``: only the backward the DP criterion drives
     (``driving``) reaches their records; a gradient arriving otherwise (another term of the loss, by any path into
     the model) is not recorded and marks ``foreign``, and the step is refused. While ``measuring`` (the criterion's
-    own backward, which stops at the forward's outputs but fires the hooks of a DP layer whose output is one), arriving
+    own backward, which stops at its input but fires the hook of a DP layer whose output that input is), arriving
     gradients are ignored."""
 
     strict: bool = False
