@@ -139,13 +139,17 @@ def test_a_position_index_shared_by_as_many_examples_as_positions_is_refused(nam
 
 
 def test_the_front_door_refuses_a_shared_position_index_too():
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 20, (60, 6), generator=gen), torch.randint(0, 3, (60,), generator=gen)
+    _front_door_step_is_refused(SharedPositions(), x, y, r"pos \(Embedding\), output gradient")
+
+
+def _front_door_step_is_refused(model: nn.Module, x, y, match: str) -> None:
+    """A front-door step on the first 6 examples (Opacus' ghost-clipping form) is refused, nothing accounted."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from fastdp import PrivacyEngine
 
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randint(0, 20, (60, 6), generator=gen), torch.randint(0, 3, (60,), generator=gen)
-    model = SharedPositions()
     engine = PrivacyEngine(accountant="rdp")
     model, optimizer, criterion, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -154,7 +158,7 @@ def test_the_front_door_refuses_a_shared_position_index_too():
     )  # fmt: skip
     optimizer.zero_grad()
     criterion(model(x[:6]), y[:6]).backward()
-    with pytest.raises(UnsupportedLayerError, match=r"pos \(Embedding\), output gradient"):
+    with pytest.raises(UnsupportedLayerError, match=match):
         optimizer.step()
     assert engine.accountant.steps == 0
 
@@ -205,3 +209,128 @@ def test_a_shared_lookup_read_back_through_one_row_is_refused(name):
     x, y = torch.randint(0, 20, (5, 6), generator=gen), torch.randint(0, 3, (5,), generator=gen)
     with pytest.raises(UnsupportedLayerError, match=r"pos \(Embedding\), output gradient"):
         make_variant(name, 3, 60).gradient(BroadcastPositions("first"), Batch(x, y, torch.ones(5, dtype=torch.bool)), 0)
+
+
+class BatchScaled(nn.Module):
+    """The model's output divided by its batch size (``h / h.shape[0]``): under Poisson sampling that size is one
+    example's presence, so removing example j rescales every other example's gradient. Before the removal experiment
+    the probe passed it (no replacement changes the size): DP-SGD through the front door, example 0 against 999
+    opposite ones each just under the clip, moved the release by 1.99 C."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x) / x.shape[0]
+
+
+class _GradientOverBatch(torch.autograd.Function):
+    """The identity, whose backward divides by the batch size: a dependence on the size in the backward alone."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / grad.shape[0]
+
+
+class BackwardScaled(nn.Module):
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(d, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(_GradientOverBatch.apply(torch.tanh(self.lin(x))))
+
+
+@pytest.mark.parametrize("name", PRIVATE)
+def test_a_model_that_reads_its_batch_size_is_refused_by_every_private_variant(name):
+    torch.manual_seed(0)
+    model = BatchScaled(small_model(name.split("-")[0], 6, 3))
+    x, y = torch.rand(8, 6), torch.randint(0, 3, (8,))
+    lipschitz = name in ("clipless", "weightclip")  # the wrapper has no Lipschitz bound rule: refused all the same
+    expected = "removing the batch's last examples|no Lipschitz bound rule" if lipschitz else "removing the batch's"
+    with pytest.raises(ValueError, match=expected):
+        step(make_variant(name, 4.0, 64), model, x, y)
+
+
+@pytest.mark.parametrize("name", ["dpsgd", "jl"])
+def test_a_backward_that_reads_the_batch_size_is_refused(name):
+    """The forward is each example's own; the backward divides by the batch size: the output gradients G show it."""
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedLayerError, match=r"removing the batch's last examples.*lin \(Linear\), output "):
+        step(make_variant(name, 4.0, 64), BackwardScaled(), torch.rand(8, 6), torch.randint(0, 3, (8,)))
+
+
+def test_the_removal_experiment_keeps_a_size_not_seen_inside_the_model(monkeypatch):
+    """A shared [T] position index with T = B / 2 would pass for the examples' rows on B / 2 examples: the experiment
+    keeps fewer examples instead (the first size from B / 2 down not seen inside the model), and the model passes."""
+    kept = []
+    real = rows_module._first_rows
+    monkeypatch.setattr(rows_module, "_first_rows", lambda run, k: kept.append(k) or real(run, k))
+    model = BroadcastPositions("flat", positions=5)
+    x, y = torch.randint(0, 20, (10, 5)), torch.randint(0, 3, (10,))  # T = 5 = B / 2; d = 8, 3 classes
+    step(make_variant("dpsgd", 4.0, 64), model, x, y)
+    assert kept == [4]
+
+
+def test_the_front_door_refuses_a_model_that_reads_its_batch_size():
+    torch.manual_seed(0)
+    model = BatchScaled(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
+    x, y = torch.rand(12, 6), torch.randint(0, 3, (12,))
+    _front_door_step_is_refused(model, x, y, "removing the batch's last examples changed")
+
+
+class NoisyScaled(nn.Module):
+    """Random draws in training (a Dropout layer, or a hand-drawn mask): where each draw lands in the generator's
+    stream depends on the batch's size, so the removal run compares with the rates at 0, or in evaluation mode."""
+
+    def __init__(self, mask: str, scaled: bool) -> None:
+        super().__init__()
+        self.lin, self.head, self.drop = nn.Linear(6, 16), nn.Linear(16, 3), nn.Dropout(0.3)
+        self.mask, self.scaled = mask, scaled
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        if self.mask == "layer":
+            h = self.drop(h)
+        elif self.training:
+            h = h * (torch.rand_like(h) > 0.3)
+        h = self.head(h)
+        return h / x.shape[0] if self.scaled else h
+
+
+@pytest.mark.parametrize("mask", ["layer", "drawn"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_random_draws_neither_hide_a_batch_size_nor_fail_the_removal_run(mask, scaled):
+    torch.manual_seed(0)
+    x, y = torch.rand(8, 6), torch.randint(0, 3, (8,))
+    if scaled:
+        with pytest.raises(UnsupportedLayerError, match="removing the batch's last examples"):
+            step(make_variant("dpsgd", 4.0, 64), NoisyScaled(mask, scaled), x, y)
+    else:
+        step(make_variant("dpsgd", 4.0, 64), NoisyScaled(mask, scaled), x, y)
+
+
+class FaintMixing(nn.Module):
+    """``h + 1e-12 h.sum(0)``, detached: on ordinary inputs a change below any tolerance (the probe passed it on the
+    first batch), but a later batch's extreme example (-1e13) moved every other example: 85 C at n = 64 (review)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h + 1e-12 * h.sum(0, keepdim=True).detach()
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("name", ["dpsgd", "jl"])  # (backprop clips each layer's input rows: no extreme row there)
+def test_mixing_too_faint_for_ordinary_inputs_is_refused_on_the_first_batch(name):
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedLayerError, match="changing example 0 alone changed other rows"):
+        step(make_variant(name, 4.0, 64), FaintMixing(), torch.rand(8, 6), torch.randint(0, 3, (8,)))

@@ -86,7 +86,7 @@ FAST = dict(
 
 @pytest.mark.parametrize("variant", ["dpsgd", "nonprivate"])
 def test_trainer_with_micro_batches_trains_like_without(variant):
-    """In training the model only ever sees micro-batches, and the run matches the unsplit one step for step: same
+    """In training the model never sees more than a micro-batch, and the run matches the unsplit one step for step: same
     parameters, same accountant."""
     extra = {"noise_multiplier": 1.0} if variant == "dpsgd" else {}
     plain = Trainer(TrainConfig(variant=variant, **FAST, **extra))
@@ -94,7 +94,7 @@ def test_trainer_with_micro_batches_trains_like_without(variant):
     seen = []
     virtual.model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]) if m.training else None)
     plain.run(), virtual.run()
-    assert set(seen) == {32}
+    assert max(seen) == 32  # never more than a micro-batch (the row probe's removal run sees half of one)
     assert virtual.step == plain.step and virtual.accountant.steps == plain.accountant.steps == (
         plain.step if extra else 0
     )

@@ -258,14 +258,14 @@ class Variant(abc.ABC):
             return
         probe = self.__dict__.setdefault("_row_probe", RowProbe())
 
-        def losses(x: torch.Tensor) -> torch.Tensor:
-            return self.loss_fn(self._forward(model, x), batch.y)
+        def losses(x: torch.Tensor, size: int) -> torch.Tensor:  # size < len(batch.y): its first examples
+            return self.loss_fn(self._forward(model, x), batch.y[:size])
 
         gradients = None
         if self.front_door == "ghost" and getattr(self, "mode", "ghost") == "ghost":  # G's rows must be examples too
 
-            def gradients(x: torch.Tensor) -> list:
-                return output_gradients(lambda: row_functional([self._forward(model, x)]), x.shape[0])
+            def gradients(x: torch.Tensor, size: int) -> list:
+                return output_gradients(lambda: row_functional([self._forward(model, x)]), size)
 
         with torch.no_grad():
             probe.check(losses, model, batch.x, self.row_layers(model), f"variant {self.name!r}",

@@ -239,6 +239,8 @@ class GhostBackward:
     def of_records(cls, params: list, records: list, losses: torch.Tensor) -> GhostBackward:
         """From a :class:`fastdp.nn.GhostClipping` context's records after the backward; a call whose output got no
         gradient (unused by the loss) gets a zero G."""
+        for r in records:
+            r.check_saved()
         grads = [r.grad if r.grad is not None or r.formed is not None else torch.zeros(r.shape, dtype=r.dtype,
                  device=losses.device) for r in records]  # fmt: skip
         formed = [r.formed for r in records]

@@ -24,8 +24,11 @@ tensor), and when the DPLoss's loss was scaled before ``backward()`` (a seed oth
 plain mean again). The release divides the noisy sum by the expected batch size, the same ``p.grad`` as a mean.
 ``make_private(..., criterion=..., grad_sample_mode="ghost")`` returns one, as Opacus does for ghost clipping.
 
-What the criterion computes is the user's part of the contract: a criterion (or a tensor hook on the loss's tensors)
-whose loss for one row reads other rows or the batch's size is not detected.
+Each row's loss must come from its own row alone: the criterion is probed like the model (``fastdp.nn.rows``, once
+per input signature, on its detached input and target): a row's loss must not change when other rows are replaced or
+when the batch loses its last rows (in-batch negatives, ``out - out.mean(0)``, a division by ``len(out)`` are
+refused). Code between the model's output and the criterion's input, and a criterion's division by a padded length
+that the collate function set, are the user's part of the contract (not seen by either probe).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from torch import nn
 
 from fastdp.engine.module import PrivateModule, Recorded
+from fastdp.nn.rows import RowProbe
 
 
 class _SeededReduction(torch.autograd.Function):
@@ -146,19 +150,11 @@ class DPLoss(nn.Module):
         self.reduction = reduction
         self._per_element = _per_example_criterion(criterion)
         self._module = module
+        self._probe = RowProbe()
 
-    def forward(self, input: torch.Tensor, target=None, *args, **kwargs) -> torch.Tensor:
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"the criterion's input must be a tensor (the model's output rows), got "
-                            f"{type(input).__name__}")  # fmt: skip
-        pending = self._module._pending
-        forwards = _forwards_of(input, pending) if input.requires_grad else []
-        plain = not forwards and not self._module.training  # an evaluation forward's loss: the plain criterion
-        if input.requires_grad and not forwards and not plain:
-            raise ValueError(
-                "the criterion's input was not computed from an output of the private model's training forward since "
-                "the last step: compute the loss from what the model returned, after the forward"
-            )
+    def _per_row(self, structure: tuple) -> torch.Tensor:
+        """The criterion's loss for each row of ``(input, target, args, kwargs)``, checked: one per row."""
+        input, target, args, kwargs = structure
         per = self._per_element(input, target, *args, **kwargs) if target is not None or args or kwargs else (
             self._per_element(input))  # fmt: skip
         if not isinstance(per, torch.Tensor) or per.dim() == 0:
@@ -174,8 +170,25 @@ class DPLoss(nn.Module):
             )
         # an example's (a row's) elements are summed, never averaged: a mean's divisor would count its padded
         # positions, set by the batch's longest example (one example then rescales every other's gradient)
-        per = per.reshape(rows, -1).sum(1) if per.dim() > 1 else per
+        return per.reshape(rows, -1).sum(1) if per.dim() > 1 else per
+
+    def forward(self, input: torch.Tensor, target=None, *args, **kwargs) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"the criterion's input must be a tensor (the model's output rows), got "
+                            f"{type(input).__name__}")  # fmt: skip
+        pending = self._module._pending
+        forwards = _forwards_of(input, pending) if input.requires_grad else []
+        plain = not forwards and not self._module.training  # an evaluation forward's loss: the plain criterion
+        if input.requires_grad and not forwards and not plain:
+            raise ValueError(
+                "the criterion's input was not computed from an output of the private model's training forward since "
+                "the last step: compute the loss from what the model returned, after the forward"
+            )
+        per = self._per_row((input, target, args, kwargs))
         if plain:
             return per.mean() if self.reduction == "mean" else per.sum()
+        with torch.no_grad():  # each row's loss from its own row alone (fastdp.nn.rows), once per input signature
+            self._probe.check(lambda structure, _: self._per_row(structure), self, (input.detach(), target, args,
+                              kwargs), [], "the DP criterion", batch=input.shape[0])  # fmt: skip
         anchor = torch.zeros((), device=per.device, requires_grad=True)
         return _SeededReduction.apply(anchor, self.reduction == "mean", [per, input, forwards])

@@ -235,21 +235,21 @@ class DPOptimizer(Optimizer):
         change when one example's input does (its row replaced in every batch-first tensor of the forward's
         arguments: tensors, tuples, dicts, keywords); once per input signature."""
 
-        def batch_rows(structure: tuple) -> list[torch.Tensor]:
+        def batch_rows(structure: tuple, size: int) -> list[torch.Tensor]:  # size: the structure's examples
             args, kwargs = structure
             leaves = tree_flatten(model(*args, **kwargs))[0]
             return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim()
-                    and t.shape[0] == n]  # fmt: skip
+                    and t.shape[0] == size]  # fmt: skip
 
-        def outputs(structure: tuple) -> torch.Tensor:
-            rows = [t.reshape(n, -1).double() for t in batch_rows(structure)]
-            return torch.cat(rows, 1) if rows else torch.zeros(n, 1, dtype=torch.float64)
+        def outputs(structure: tuple, size: int) -> torch.Tensor:
+            rows = [t.reshape(size, -1).double() for t in batch_rows(structure, size)]
+            return torch.cat(rows, 1) if rows else torch.zeros(size, 1, dtype=torch.float64)
 
         gradients = None
         if self.variant.front_door == "ghost":  # the DP layers' output gradients' rows must be examples too
 
-            def gradients(structure: tuple) -> list:
-                return output_gradients(lambda: row_functional(batch_rows(structure)), n)
+            def gradients(structure: tuple, size: int) -> list:
+                return output_gradients(lambda: row_functional(batch_rows(structure, size)), size)
 
         # a host read of the inputs each step (a synchronisation on CUDA): a batch with a NaN is probed apart
         finite = all(bool(torch.isfinite(t).all()) for t in _rows_of(inputs, n) if t.is_floating_point())
@@ -297,6 +297,8 @@ class DPOptimizer(Optimizer):
             )
         if self.loss_reduction == "mean":
             self._check_seeded(private_forwards)
+        else:  # a DP criterion's loss is checked whatever the reduction: scaled, it is the plain mean's hole again
+            self._check_seeded([r for r in private_forwards if r.seeded], seeds_only=True)
         backpropagate_sent(recorded_forwards)  # the DP criteria's backward through the model (fastdp.engine.loss)
         loader = self.data_loader
         if self._sums is not None and loader is not None and loader.batches_drawn != self._pending_batch:
@@ -315,10 +317,10 @@ class DPOptimizer(Optimizer):
             self._check_rows_drawn()
         return not skip
 
-    def _check_seeded(self, forwards: list[Recorded]) -> None:
+    def _check_seeded(self, forwards: list[Recorded], seeds_only: bool = False) -> None:
         """Under ``loss_reduction="mean"``: the private forward's loss came from a DPLoss, unscaled, and nothing else
         reached its DP layers (``fastdp.engine.loss``: a plain mean's 1/n re-rounds every example's gradient when n
-        changes)."""
+        changes); with ``seeds_only`` (``"sum"``, a DPLoss's forwards): unscaled."""
         how = (
             "Pass criterion=<your loss> and grad_sample_mode='ghost' to make_private and compute the loss with the "
             "criterion it returns (model, optimizer, criterion, data_loader = engine.make_private(...)), as Opacus' "
@@ -326,7 +328,7 @@ class DPOptimizer(Optimizer):
             "(reduction='sum') and pass loss_reduction='sum' (docs/front-door.md, 'Per-example gradients and the loss')"
         )
         for recorded in forwards:
-            if not recorded.seeded:
+            if not recorded.seeded and not seeds_only:
                 raise ValueError(
                     "loss_reduction='mean' needs the loss from fastdp's DP criterion, and this step's loss was not: a "
                     "plain mean over the batch (a criterion with reduction='mean', loss.mean()) multiplies every "
@@ -334,7 +336,9 @@ class DPOptimizer(Optimizer):
                     "model's backward can amplify that re-rounding of every other example's gradient far beyond the "
                     f"clipping bound (21.6 x at 10 000 examples: tests/test_holes_mean.py). {how}"
                 )
-            if recorded.gate.foreign or (recorded.leaf is not None and recorded.leaf.grad is not None):
+            if not seeds_only and (
+                recorded.gate.foreign or (recorded.leaf is not None and recorded.leaf.grad is not None)
+            ):
                 raise ValueError(
                     "the model also got gradient from other terms of the loss than the DP criterion's (a regularizer, "
                     "an auxiliary head's or a stored activation's loss, averaged over the batch or not): under "
@@ -345,8 +349,8 @@ class DPOptimizer(Optimizer):
                 raise ValueError(
                     "the DP criterion's loss was scaled before backward() (e.g. divided by the batch's size or token "
                     "count): a scale that depends on the batch re-rounds every example's gradient as a plain mean "
-                    "does, so under loss_reduction='mean' the criterion's loss is backpropagated as it is "
-                    "(loss.backward()); it is already the batch's mean, and BatchMemoryManager accumulates physical "
+                    "does, so the criterion's loss is backpropagated as it is (loss.backward()); it is already the "
+                    "batch's mean (or sum, under loss_reduction='sum'), and BatchMemoryManager accumulates physical "
                     f"batches without scaling. {how}"
                 )
 

@@ -95,10 +95,27 @@ class Record:
     summed: bool = False  # a summing context's record (:class:`GhostClipping`, ``sums``) ...
     sums: list[CompensatedSum] | None = None  # ... and the batch's gradient of each of ``layer.dp_parameters()``
     gate: Gate | None = None  # the forward's (:class:`Gate`), where the front door restricts who backpropagates
+    versions: tuple = ()  # the saved tensors' version counters when the layer ran (:meth:`check_saved`)
+
+    def __post_init__(self) -> None:
+        self.versions = tuple(t._version for t in _tensors(self.saved))
+
+    def check_saved(self) -> None:
+        """Refuse a saved input changed in place after the layer ran (``h.sub_(h.mean(0))`` after the layer read
+        ``h``: the step would norm and sum the changed rows, which another example may have written; a review
+        measured 258 C), as torch refuses a tensor its backward saved."""
+        if self.saved is not None and tuple(t._version for t in _tensors(self.saved)) != self.versions:
+            raise RuntimeError(
+                f"the input a DP layer ({type(self.layer).__name__}) saved for the private step was modified by an "
+                "in-place operation after the layer ran: the per-example gradients would be formed from the changed "
+                "values, not from what the layer computed with. Use an out-of-place operation (h = h - m, not "
+                "h.sub_(m)) on tensors a layer has read"
+            )
 
     def _capture(self, grad: torch.Tensor) -> None:
         if self.gate is not None and not self.gate.admits():
             return
+        self.check_saved()
         if self.summed:
             self._sum(grad)
             return

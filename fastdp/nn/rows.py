@@ -10,7 +10,11 @@ The probe establishes it for a batch by experiment: it runs the model's forward 
 some examples' inputs replaced by others' (the first example alone, the last alone, then for every bit of the row
 index the rows with that bit set and those with it clear: any two examples differ in a bit, so whichever row mixes
 into which, one experiment changes it and watches the other: 2 ceil(log2 B) more forwards, once per model and input
-structure, whatever the shapes), and requires that nothing
+structure, whatever the shapes), with the first example's floating inputs made extreme (a mixing too small to see at
+ordinary values moves the other rows then), and on about the first half of the batch (at a size not seen inside the
+model; within ``REMOVAL_TOLERANCE``, as other sizes run other kernels: a model that reads the batch's size,
+``h / h.shape[0]``, changes every other example then, and under Poisson sampling that size is one example's
+presence), and requires that nothing
 else changes: the per-example losses of the other examples, and the other rows of every watched layer's input. Same
 shapes, same kernels, same dropout masks (the generator state is forked and reset for every run), so an unchanged
 row is bitwise unchanged; rows are compared through small float64 fingerprints (a random projection, the squared
@@ -41,6 +45,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fastdp.nn import UnsupportedLayerError
 
 TOLERANCE = 1e-6
+# the removal run's: fewer rows run other kernels (GEMM blockings by size), which re-round every row by ~1e-6 of it;
+# halving the batch rescales a model that reads its size by a factor ~2
+REMOVAL_TOLERANCE = 1e-2
 _PROBE_SEED = 0x5EED
 
 
@@ -73,16 +80,16 @@ def row_functional(rows: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _rows_differ(before: tuple, after: tuple, keep: torch.Tensor) -> bool:
-    """Whether rows ``keep`` of two fingerprints differ by more than TOLERANCE of each row's norm (kernels that are
+def _rows_differ(before: tuple, after: tuple, keep: torch.Tensor, tolerance: float = TOLERANCE) -> bool:
+    """Whether rows ``keep`` of two fingerprints differ by more than ``tolerance`` of each row's norm (kernels that are
     not bitwise reproducible move a row by ~1e-7 of it; an example that leaks into another row, by far more)."""
     (proj, sq, bad, w), (proj_p, sq_p, bad_p, _) = before, after
     if proj.shape != proj_p.shape:
         return True
     norm = sq[keep].sqrt()
     return bool(
-        ((proj[keep] - proj_p[keep]).abs() > TOLERANCE * norm * w + 1e-300).any()
-        | ((sq[keep] - sq_p[keep]).abs() > 2 * TOLERANCE * sq[keep] + 1e-300).any()
+        ((proj[keep] - proj_p[keep]).abs() > tolerance * norm * w + 1e-300).any()
+        | ((sq[keep] - sq_p[keep]).abs() > 2 * tolerance * sq[keep] + 1e-300).any()
         | (bad[keep] != bad_p[keep]).any()
     )
 
@@ -146,6 +153,18 @@ def _picks(x, batch: int, halves: bool = True) -> list[tuple[list[int], list[int
     return picks
 
 
+def _extreme_first(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its first row's entries scaled so that the largest is ``finfo.max ** 0.75`` (zero and non-finite
+    entries taken as 1); integer tensors as they are."""
+    if not t.is_floating_point():
+        return t
+    t = t.clone()
+    row = t[0]
+    row = torch.where(torch.isfinite(row) & (row != 0), row, torch.ones_like(row)).double()
+    t[0] = (row / row.abs().amax() * torch.finfo(t.dtype).max ** 0.75).to(t.dtype)
+    return t
+
+
 def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Random values of ``t``'s shape and dtype (and value range, for integers: token ids and masks up to the largest;
     negative entries, e.g. labels -100 that a loss ignores, kept where they are)."""
@@ -192,9 +211,10 @@ def probe_rows(
     gradients=None,
     halves: bool = True,
 ) -> set[int] | None:
-    """Run ``run(x)`` (per-example losses or outputs, [B, ...]) on ``x`` and on ``x`` with one example's input
-    replaced, watching the inputs of ``layers``; raise :class:`UnsupportedLayerError` if another example's loss or
-    another row of a watched layer's input changed. ``gradients(x)`` (ghost clipping): the output gradients G of the
+    """Run ``run(x, size)`` (per-example losses or outputs, [size, ...], of ``x``'s ``size`` examples) on ``x``, on
+    ``x`` with one example's input replaced and on ``x`` without its last examples, watching the inputs of ``layers``;
+    raise :class:`UnsupportedLayerError` if another example's loss or another row of a watched layer's input changed.
+    ``gradients(x, size)`` (ghost clipping): the output gradients G of the
     DP layers' calls, in call order, for one backward of the summed per-example losses; another example's row of a
     G must not change either (a layer whose input does not come from the batch, e.g. a position index shared by the
     examples whose length equals the batch size, has rows that are positions: each row of its G sums every
@@ -223,13 +243,17 @@ def probe_rows(
         return None
     sizes: set[int] = set()
     for inputs, picks in experiments:
-        sizes |= _experiments(run, model, inputs, picks, layers, what, batch, gradients, device)
+        seen = _experiments(run, model, inputs, picks, layers, what, batch, gradients, device)
+        if seen is None:
+            return None
+        sizes |= seen
     return sizes
 
 
 def _experiments(run, model: nn.Module, x, picks: list, layers: list[nn.Module], what: str, batch: int, gradients,
-                 device: torch.device) -> set[int]:  # fmt: skip
-    """:func:`probe_rows`' experiments on ``x``: the run on ``x`` and one for each pick, compared; the sizes seen."""
+                 device: torch.device) -> set[int] | None:  # fmt: skip
+    """:func:`probe_rows`' experiments on ``x``: the run on ``x``, one for each pick and one without the last
+    examples, compared; the sizes seen (None: no size to remove to, inconclusive)."""
 
     def replaced(rows: list[int], sources: list[int]):
         def replace(t: torch.Tensor) -> torch.Tensor:
@@ -240,14 +264,18 @@ def _experiments(run, model: nn.Module, x, picks: list, layers: list[nn.Module],
         return replace
 
     names = {id(module): name or "<model>" for name, module in model.named_modules()}
-    runs = []
-    for inputs in (x, *(_map_rows(replaced(rows, sources), x, batch) for rows, sources in picks)):
+
+    def one_run(inputs, size: int, like: tuple | None = None, seed: int = _PROBE_SEED) -> tuple:
+        """The losses, the watched inputs' and the G's summaries of a run on ``size`` examples; a tensor is batch-first
+        when its first dimension is ``size`` and, given ``like`` (the batch's run), it was batch-first there too (a
+        shared index of the batch's size less one is not an example's)."""
         seen: list[tuple[nn.Module, torch.Size, tuple, torch.Size]] = []  # layer, input shape and fingerprint, output
 
-        def record(module, args, output, seen=seen):
+        def record(module, args, output):
             a, out = _layer_rows(module, args[0] if args else None), _layer_rows(module, output)
             if a is not None and out is not None:
-                own = a.dim() and a.shape[0] == batch
+                was = like is None or (len(seen) < len(like[1]) and like[1][len(seen)][2][0])
+                own = bool(a.dim()) and a.shape[0] == size and was
                 # an input not batch-first (an index shared by the examples) is compared whole: it must not change
                 summary = (own, _fingerprint(a if own else a.reshape(1, -1)))
                 seen.append((module, a.shape, summary, out.shape))
@@ -255,49 +283,131 @@ def _experiments(run, model: nn.Module, x, picks: list, layers: list[nn.Module],
         handles = [layer.register_forward_hook(record) for layer in layers]
         try:
             with _same_randomness(device):
-                torch.manual_seed(_PROBE_SEED)
-                losses = run(inputs).detach()
+                torch.manual_seed(seed)
+                losses = run(inputs, size).detach()
         finally:
             for handle in handles:
                 handle.remove()
         grads = None
         if gradients is not None:
             with _same_randomness(device):
-                torch.manual_seed(_PROBE_SEED)
-                grads = [(layer, g.shape, _fingerprint(g) if g.dim() and g.shape[0] == batch else None)
-                         for layer, g in gradients(inputs)]  # fmt: skip
-        runs.append((losses, seen, grads))
+                torch.manual_seed(seed)
+                found = gradients(inputs, size)
+            batch_first = [bool(g.dim()) and g.shape[0] == size
+                           and (like is None or (i < len(like[2] or ()) and like[2][i][2] is not None))
+                           for i, (_, g) in enumerate(found)]  # fmt: skip
+            grads = [(layer, g.shape, _fingerprint(g) if own else None)
+                     for (layer, g), own in zip(found, batch_first, strict=True)]  # fmt: skip
+        return losses, seen, grads
+
+    runs = [one_run(inputs, batch) for inputs in (x, *(_map_rows(replaced(rows, sources), x, batch)
+                                                        for rows, sources in picks))]  # fmt: skip
     for (rows, _), perturbed in zip(picks, runs[1:], strict=True):
         _compare(runs[0], perturbed, rows, batch, names, what)
+    # the first example's floating inputs made extreme: mixing too small to change another row at ordinary values
+    # (h + 1e-12 h.sum(0), a tolerance's worth) moves it then, as a later batch's extreme example would (a review:
+    # 85 C at n = 64, the probe having passed on an ordinary first batch)
+    if any(t.is_floating_point() for t in _rows_of(x, batch)):
+        try:  # a model may refuse such values (an index computed from an input): then this run proves nothing
+            extreme = one_run(_map_rows(_extreme_first, x, batch), batch)
+        except Exception:
+            extreme = None
+        if extreme is not None:
+            _compare(runs[0], extreme, [0], batch, names, what)
     sizes = set()
     for _, shape, _, out in runs[0][1]:
         sizes.update(shape[1:])
         sizes.update(out[1:])
+    # the batch without its last examples: the others' rows must not change either (a model that reads the batch's
+    # size, ``h / h.shape[0]``, rescales every example when one is removed, and no replacement shows it). About half
+    # kept (a size dependence shows at ~2x, far above the other kernels' rounding), at a size not seen inside the
+    # model (where a shared index could pass for the examples' rows)
+    kept = next((k for k in range(batch // 2, 0, -1) if k not in sizes), None)
+    if kept is None:
+        return None  # no size to remove to: inconclusive, the next batch is probed
+    fewer = _map_rows(lambda t: t[:kept], x, batch)
+
+    def removal(reference: tuple) -> list[str]:
+        try:
+            without = one_run(fewer, kept, like=reference)
+        except Exception as exc:
+            raise UnsupportedLayerError(
+                f"{what} probes each example's independence on the batch without its last examples, and the model "
+                f"failed on it ({type(exc).__name__}: {exc}): Poisson batches vary in size, so the model must run on "
+                "any number of examples (an input shared by the batch whose length equals the batch size is sliced "
+                "with the examples: expand shared indices to [B, ...])"
+            ) from exc
+        return _differences(_first_rows(reference, kept), without, [], kept, names, REMOVAL_TOLERANCE)
+
+    def random(reference: tuple) -> bool:  # whether another seed changes the run: the model draws random numbers
+        return bool(_differences(reference, one_run(x, batch, seed=_PROBE_SEED + 1), [], batch, names))
+
+    mixed = removal(runs[0])
+    if mixed and random(runs[0]):
+        # where each random draw (dropout) lands in the generator's stream depends on the batch's size, whatever the
+        # model computes: again with the dropout layers and rates at 0, or, if it draws elsewhere too, in eval mode
+        with _without_dropout(model):
+            reference = one_run(x, batch)
+            drawing = random(reference)
+            if not drawing:
+                mixed = removal(reference)
+        if drawing:
+            with _evaluating(model):
+                mixed = removal(one_run(x, batch))
+    if mixed:
+        raise UnsupportedLayerError(
+            f"{what} needs each example's computation to depend on that example alone, but removing the batch's last "
+            "examples changed the other examples' rows of: " + "; ".join(dict.fromkeys(mixed)) + ". The model (or "
+            "its loss) reads the batch's size or another batch-wide quantity (h / h.shape[0], a mean or a count over "
+            "the batch): Poisson sampling changes that size with every example, so one example would rescale every "
+            "other example's gradient. Compute each example's output from its own input alone"
+        )
     return sizes
 
 
-def _compare(run, perturbed, rows: list[int], batch: int, names: dict, what: str) -> None:
-    """Raise :class:`UnsupportedLayerError` naming what changed, outside ``rows``, between two probe runs."""
+def _first_rows(run: tuple, k: int) -> tuple:
+    """A probe run's summaries of its first ``k`` examples only (to compare with a run on those examples alone)."""
+
+    def head(summary: tuple) -> tuple:
+        *rows, w = summary
+        return (*(r[:k] for r in rows), w)
+
+    losses, seen, grads = run
+    seen = [(layer, shape, (own, head(fp) if own else fp), out) for layer, shape, (own, fp), out in seen]
+    grads = None if grads is None else [(layer, shape, fp if fp is None else head(fp)) for layer, shape, fp in grads]
+    return losses[:k], seen, grads
+
+
+def _differences(run, perturbed, rows: list[int], batch: int, names: dict, tolerance: float = TOLERANCE) -> list[str]:
+    """What changed, outside ``rows``, between two probe runs on ``batch`` examples."""
     (losses, seen, grads), (losses_p, seen_p, grads_p) = run, perturbed
     keep = torch.ones(batch, dtype=torch.bool, device=losses.device)
     keep[rows] = False
     mixed = []
-    if _rows_differ(_fingerprint(losses.reshape(batch, -1)), _fingerprint(losses_p.reshape(batch, -1)), keep):
+    if _rows_differ(
+        _fingerprint(losses.reshape(batch, -1)), _fingerprint(losses_p.reshape(batch, -1)), keep, tolerance
+    ):
         mixed.append("the per-example losses (the loss or the model mixes examples)")
     whole = torch.ones(1, dtype=torch.bool, device=losses.device)
     for (layer, shape, (own, summary), _), (_, _, (own_p, summary_p), _) in zip(seen, seen_p, strict=False):
-        if own != own_p or _rows_differ(summary, summary_p, keep if own else whole):
+        if own != own_p or _rows_differ(summary, summary_p, keep if own else whole, tolerance):
             mixed.append(f"{names.get(id(layer), '?')} ({type(layer).__name__}), input of shape {tuple(shape)}")
     if len(seen) != len(seen_p) or (grads is not None and len(grads) != len(grads_p)):
         mixed.append("the layers called (the model's control flow depends on the data)")
     for (layer, shape, summary), (_, _, summary_p) in zip(grads or [], grads_p or [], strict=False):
-        if summary is None or summary_p is None or _rows_differ(summary, summary_p, keep):
+        if summary is None or summary_p is None or _rows_differ(summary, summary_p, keep, tolerance):
             mixed.append(f"{names.get(id(layer), '?')} ({type(layer).__name__}), output gradient of shape "
                          f"{tuple(shape)} (its rows are not the examples: an input shared by the batch?)")  # fmt: skip
+    return list(dict.fromkeys(mixed))
+
+
+def _compare(run, perturbed, rows: list[int], batch: int, names: dict, what: str) -> None:
+    """Raise :class:`UnsupportedLayerError` naming what changed, outside ``rows``, between two probe runs."""
+    mixed = _differences(run, perturbed, rows, batch, names)
     if mixed:
         raise UnsupportedLayerError(
             f"{what} needs each row of the batch to be one example, but changing {_examples(rows)} alone changed "
-            "other rows of: " + "; ".join(dict.fromkeys(mixed)) + ". A layer called on a sequence-first [T, B, ...] "
+            "other rows of: " + "; ".join(mixed) + ". A layer called on a sequence-first [T, B, ...] "
             "view (e.g. an RNN or nn.MultiheadAttention given batch-first data without batch_first=True, or a "
             "transpose before a Linear) is applied per position, not per example, and an operation over the batch "
             "dimension (batch statistics, a layer applied along it) makes one example change the others, and a "
@@ -305,6 +415,36 @@ def _compare(run, perturbed, rows: list[int], batch: int, names: dict, what: str
             "rows that are not examples: keep inputs batch-first (expand shared indices to [B, T]) and every "
             "example's computation its own"
         )
+
+
+@contextlib.contextmanager
+def _without_dropout(model: nn.Module):
+    """torch's dropout layers at p = 0, and every module's float attribute named like a dropout rate (``nn.RNN``'s,
+    ``nn.MultiheadAttention``'s, Hugging Face attention's ``dropout_prob``/``attention_dropout``), restored after."""
+    saved = []
+    for module in model.modules():
+        names = ["p"] if isinstance(module, nn.modules.dropout._DropoutNd) else []
+        names += [k for k, v in vars(module).items() if "dropout" in k.lower() and type(v) is float]
+        for name in names:
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, 0.0)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module):
+    """The model in evaluation mode (no random draws in torch's layers), its modes restored after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
 
 
 def _examples(rows: list[int]) -> str:

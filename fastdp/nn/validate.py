@@ -138,19 +138,24 @@ class BufferWatch:
         changed = self.changed()
         if changed:
             raise UnsupportedLayerError(
-                f"{what}: the model wrote its buffers or extra state {', '.join(changed)} during the private step. "
-                "A buffer written from the batch (running statistics, a quantisation observer's min/max, a cache of "
-                "the inputs) is saved with the model without noise, so it releases the examples it read. Keep such "
-                "modules out of the private step (put them in eval() mode, freeze their statistics, or compute them "
-                "on public data)"
+                f"{what}: the model wrote its buffers, frozen parameters or extra state {', '.join(changed)} during "
+                "the private step. A buffer or frozen parameter written from the batch (running statistics, a "
+                "quantisation observer's min/max, a cache of the inputs, an embedding table renormalised by max_norm) "
+                "is saved with the model without noise, so it releases the examples it read. Keep such modules out "
+                "of the private step (put them in eval() mode, freeze their statistics, or compute them on public "
+                "data)"
             )
 
 
 def _watched_buffers(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The buffers, and the frozen parameters (``requires_grad=False``: saved with the model like a buffer, and as
+    writable from the batch: running statistics kept in a Parameter, ``F.embedding(..., max_norm=)`` renormalising a
+    frozen table's looked-up rows in place; a review measured an exact membership signal), by name."""
     watched = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         exempt = getattr(module, "dp_bookkeeping_buffers", ())
-        for name, buf in module._buffers.items():
+        frozen = {name: p for name, p in module._parameters.items() if p is not None and not p.requires_grad}
+        for name, buf in [*module._buffers.items(), *frozen.items()]:
             if name not in exempt:
                 watched[f"{module_name}.{name}" if module_name else name] = buf
     return watched
