@@ -690,8 +690,8 @@ def test_activation_checkpointing_is_refused_by_name(reentrant):
 
 def test_the_halves_experiments_run_once_per_input_structure():
     """2 ceil(log2 B) more forwards once per model and input structure; a new shape of the same structure (another
-    sequence length) is probed with the first and the last example only, and the batch without its last example,
-    as before (the cost of variable lengths)."""
+    sequence length) is probed with the first and the last example only, as before (the cost of variable
+    lengths)."""
     from fastdp.nn.rows import RowProbe
 
     model = nn.Linear(4, 3)
@@ -707,8 +707,8 @@ def test_the_halves_experiments_run_once_per_input_structure():
         before = len(calls)
         probe.check(run, model, torch.randn(8, length, 4), [model], "test")
         runs.append(len(calls) - before)
-    # B = 8: the batch, first and last, 3 bits x 2 halves, the extreme first, the batch less its last; then per shape
-    assert runs == [1 + 2 + 2 * 3 + 1 + 1, 1 + 2 + 1 + 1, 0]
+    # B = 8: the batch, first and last, 3 bits x 2 halves, an extreme first, half the batch; then per shape
+    assert runs == [1 + 2 + 2 * 3 + 1 + 1, 1 + 2, 0]
 
 
 # ------------------------------------------------------------------------------------------------------ round 3

@@ -10,10 +10,10 @@ The probe establishes it for a batch by experiment: it runs the model's forward 
 some examples' inputs replaced by others' (the first example alone, the last alone, then for every bit of the row
 index the rows with that bit set and those with it clear: any two examples differ in a bit, so whichever row mixes
 into which, one experiment changes it and watches the other: 2 ceil(log2 B) more forwards, once per model and input
-structure, whatever the shapes), with the first example's floating inputs made extreme (a mixing too small to see at
-ordinary values moves the other rows then), and on about the first half of the batch (at a size not seen inside the
-model; within ``REMOVAL_TOLERANCE``, as other sizes run other kernels: a model that reads the batch's size,
-``h / h.shape[0]``, changes every other example then, and under Poisson sampling that size is one example's
+structure, whatever the shapes), and, as rarely, with the first example's floating inputs made extreme (a mixing too
+small to see at ordinary values moves the other rows then) and on about the first half of the batch (at a size not
+seen inside the model; within ``REMOVAL_TOLERANCE``, as other sizes run other kernels: a model that reads the batch's
+size, ``h / h.shape[0]``, changes every other example then, and under Poisson sampling that size is one example's
 presence), and requires that nothing
 else changes: the per-example losses of the other examples, and the other rows of every watched layer's input. Same
 shapes, same kernels, same dropout masks (the generator state is forked and reset for every run), so an unchanged
@@ -243,7 +243,7 @@ def probe_rows(
         return None
     sizes: set[int] = set()
     for inputs, picks in experiments:
-        seen = _experiments(run, model, inputs, picks, layers, what, batch, gradients, device)
+        seen = _experiments(run, model, inputs, picks, layers, what, batch, gradients, device, halves)
         if seen is None:
             return None
         sizes |= seen
@@ -251,9 +251,10 @@ def probe_rows(
 
 
 def _experiments(run, model: nn.Module, x, picks: list, layers: list[nn.Module], what: str, batch: int, gradients,
-                 device: torch.device) -> set[int] | None:  # fmt: skip
-    """:func:`probe_rows`' experiments on ``x``: the run on ``x``, one for each pick and one without the last
-    examples, compared; the sizes seen (None: no size to remove to, inconclusive)."""
+                 device: torch.device, whole: bool = True) -> set[int] | None:  # fmt: skip
+    """:func:`probe_rows`' experiments on ``x``: the run on ``x`` and one for each pick, and with ``whole`` (once per
+    model and input structure, as the halves) one with an extreme first example and one on about half the batch,
+    compared; the sizes seen (None: no size to remove to, inconclusive)."""
 
     def replaced(rows: list[int], sources: list[int]):
         def replace(t: torch.Tensor) -> torch.Tensor:
@@ -307,6 +308,12 @@ def _experiments(run, model: nn.Module, x, picks: list, layers: list[nn.Module],
     # the first example's floating inputs made extreme: mixing too small to change another row at ordinary values
     # (h + 1e-12 h.sum(0), a tolerance's worth) moves it then, as a later batch's extreme example would (a review:
     # 85 C at n = 64, the probe having passed on an ordinary first batch)
+    sizes = set()
+    for _, shape, _, out in runs[0][1]:
+        sizes.update(shape[1:])
+        sizes.update(out[1:])
+    if not whole:
+        return sizes
     if any(t.is_floating_point() for t in _rows_of(x, batch)):
         try:  # a model may refuse such values (an index computed from an input): then this run proves nothing
             extreme = one_run(_map_rows(_extreme_first, x, batch), batch)
@@ -314,10 +321,6 @@ def _experiments(run, model: nn.Module, x, picks: list, layers: list[nn.Module],
             extreme = None
         if extreme is not None:
             _compare(runs[0], extreme, [0], batch, names, what)
-    sizes = set()
-    for _, shape, _, out in runs[0][1]:
-        sizes.update(shape[1:])
-        sizes.update(out[1:])
     # the batch without its last examples: the others' rows must not change either (a model that reads the batch's
     # size, ``h / h.shape[0]``, rescales every example when one is removed, and no replacement shows it). About half
     # kept (a size dependence shows at ~2x, far above the other kernels' rounding), at a size not seen inside the
