@@ -10,11 +10,11 @@ The probe establishes it for a batch by experiment: it runs the model's forward 
 some examples' inputs replaced by others' (the first example alone, the last alone, then for every bit of the row
 index the rows with that bit set and those with it clear: any two examples differ in a bit, so whichever row mixes
 into which, one experiment changes it and watches the other: 2 ceil(log2 B) more forwards, once per model and input
-structure, whatever the shapes), and, as rarely, with the first example's floating inputs made extreme (a mixing too
-small to see at ordinary values moves the other rows then) and on about the first half of the batch (at a size not
-seen inside the model; within ``REMOVAL_TOLERANCE``, as other sizes run other kernels: a model that reads the batch's
-size, ``h / h.shape[0]``, changes every other example then, and under Poisson sampling that size is one example's
-presence), and requires that nothing
+structure, whatever the shapes), and, also once per structure, with the first example's floating inputs made extreme
+(a mixing too small to see at ordinary values moves the other rows then) and on about the first half of the batch (at
+a size not seen inside the model; within ``REMOVAL_TOLERANCE``, as other sizes run other kernels: a model that reads
+the batch's size, ``h / h.shape[0]``, changes every other example then, and under Poisson sampling that size is one
+example's presence), and requires that nothing
 else changes: the per-example losses of the other examples, and the other rows of every watched layer's input. Same
 shapes, same kernels, same dropout masks (the generator state is forked and reset for every run), so an unchanged
 row is bitwise unchanged; rows are compared through small float64 fingerprints (a random projection, the squared
@@ -305,15 +305,15 @@ def _experiments(run, model: nn.Module, x, picks: list, layers: list[nn.Module],
                                                         for rows, sources in picks))]  # fmt: skip
     for (rows, _), perturbed in zip(picks, runs[1:], strict=True):
         _compare(runs[0], perturbed, rows, batch, names, what)
-    # the first example's floating inputs made extreme: mixing too small to change another row at ordinary values
-    # (h + 1e-12 h.sum(0), a tolerance's worth) moves it then, as a later batch's extreme example would (a review:
-    # 85 C at n = 64, the probe having passed on an ordinary first batch)
     sizes = set()
     for _, shape, _, out in runs[0][1]:
         sizes.update(shape[1:])
         sizes.update(out[1:])
     if not whole:
         return sizes
+    # the first example's floating inputs made extreme: mixing too small to change another row at ordinary values
+    # (h + 1e-12 h.sum(0), a tolerance's worth) moves it then, as a later batch's extreme example would (a review:
+    # 85 C at n = 64, the probe having passed on an ordinary first batch)
     if any(t.is_floating_point() for t in _rows_of(x, batch)):
         try:  # a model may refuse such values (an index computed from an input): then this run proves nothing
             extreme = one_run(_map_rows(_extreme_first, x, batch), batch)
@@ -360,7 +360,7 @@ def _experiments(run, model: nn.Module, x, picks: list, layers: list[nn.Module],
     if mixed:
         raise UnsupportedLayerError(
             f"{what} needs each example's computation to depend on that example alone, but removing the batch's last "
-            "examples changed the other examples' rows of: " + "; ".join(dict.fromkeys(mixed)) + ". The model (or "
+            "examples changed the other examples' rows of: " + "; ".join(mixed) + ". The model (or "
             "its loss) reads the batch's size or another batch-wide quantity (h / h.shape[0], a mean or a count over "
             "the batch): Poisson sampling changes that size with every example, so one example would rescale every "
             "other example's gradient. Compute each example's output from its own input alone"
