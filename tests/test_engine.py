@@ -40,28 +40,21 @@ def _private(model, x, y, batch_size=10, lr=1.0, **kwargs):
     return (engine, *made)
 
 
-def _step(model, opt, x, y, reduction="mean"):
-    """One step: under "mean" the loss from fastdp's DP criterion (a plain batch mean is refused), under "sum" the
-    summed cross-entropy."""
+def _step(model, opt, x, y):
+    """One step, its loss from fastdp's DP criterion (the user's own loss is refused), under the optimizer's
+    loss_reduction."""
     opt.zero_grad()
-    if reduction == "mean":
-        loss = DPLoss(nn.functional.cross_entropy, model)(model(x), y)
-    else:
-        loss = nn.functional.cross_entropy(model(x), y, reduction=reduction)
-    loss.backward()
+    DPLoss(nn.functional.cross_entropy, model, opt.loss_reduction)(model(x), y).backward()
     opt.step()
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_the_released_update_equals_the_variant_apis_for_the_same_batch_and_key(reduction):
-    """Under "mean" Opacus' ghost-clipping idiom (make_private returns the criterion), under "sum" a summed loss."""
+    """Opacus' ghost-clipping idiom (make_private returns the criterion), its loss the mean or the sum."""
     x, y = _data()
     xb, yb = x[:9], y[:9]
-    if reduction == "mean":
-        _, model, opt, criterion, _ = _private(_mlp(), x, y, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost")
-    else:
-        _, model, opt, _ = _private(_mlp(), x, y, loss_reduction=reduction)
-        criterion = nn.CrossEntropyLoss(reduction="sum")
+    _, model, opt, criterion, _ = _private(_mlp(), x, y, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
+                                           loss_reduction=reduction)  # fmt: skip
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
     loss = criterion(model(xb), yb)
@@ -408,17 +401,17 @@ def test_the_batch_memory_manager_gives_the_update_of_the_unsplit_logical_batch(
 
 def test_a_plain_mean_loss_is_refused_and_the_dp_criterions_mean_trains_under_autocast_too():
     """A plain batch mean rounds the 1/n into every example's output gradient (in bf16 under autocast: ~2^-8 each), and
-    n depends on every example: refused under loss_reduction="mean", in fp32 and in bf16, before anything is released.
-    The DP criterion seeds each example's loss with 1 (no 1/n), so its bf16 backward is the summed loss's: it trains,
-    and p.grad is the summed loss's noisy sum divided by the expected batch size (10), the same key."""
+    n depends on every example: refused under either loss_reduction, in fp32 and in bf16, before anything is
+    released. The DP criterion seeds each example's loss with 1 (no 1/n), so its bf16 backward is the summed loss's: it
+    trains, and under "mean" p.grad is the noisy sum of "sum" divided by the expected batch size (10), the same key."""
     x, y = _data()
-    for autocast in (False, True):
-        _, model, opt, _ = _private(_mlp(), x, y)
+    for autocast, reduction in ((False, "mean"), (True, "mean"), (True, "sum")):
+        _, model, opt, _ = _private(_mlp(), x, y, loss_reduction=reduction)
         before = [p.detach().clone() for p in model.parameters()]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(x[:6])
         nn.functional.cross_entropy(out.float(), y[:6]).backward()
-        with pytest.raises(ValueError, match="loss_reduction='mean' needs the loss from fastdp's DP criterion"):
+        with pytest.raises(ValueError, match="loss must come from fastdp's DP criterion"):
             opt.step()
         assert opt.accountant.steps == 0
         assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
@@ -427,11 +420,7 @@ def test_a_plain_mean_loss_is_refused_and_the_dp_criterions_mean_trains_under_au
         _, model, opt, _ = _private(_mlp(), x, y, loss_reduction=reduction)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x[:6])
-        if reduction == "mean":
-            loss = DPLoss(nn.functional.cross_entropy, model)(out.float(), y[:6])
-        else:
-            loss = nn.functional.cross_entropy(out.float(), y[:6], reduction="sum")
-        loss.backward()
+        DPLoss(nn.functional.cross_entropy, model, reduction)(out.float(), y[:6]).backward()
         opt.step()
         assert opt.accountant.steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
         grads[reduction] = [p.grad.detach().clone() for p in model.parameters()]

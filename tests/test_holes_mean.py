@@ -1,8 +1,11 @@
-"""The front door's ``loss_reduction="mean"`` (``fastdp.engine.loss``): a plain batch mean's 1/n, rounded into every
-example's output gradient, changes with n, and a backward that nearly cancels amplifies that re-rounding. Measured
-before the fix, DP-SGD through the front door on the model below (identical examples, each under the clip): one
-example moved the released sum by 0.41 C at n = 300, 3.8 C at 3001 and 21.6 C at 10 000. Now a plain mean is refused
-and the DP criterion seeds each example's loss with the backward's own seed."""
+"""The front door's loss (``fastdp.engine.loss``): a plain batch mean's 1/n, rounded into every example's output
+gradient, changes with n, and a backward that nearly cancels amplifies that re-rounding. Measured before the fix,
+DP-SGD through the front door on the model below (identical examples, each under the clip): one example moved the
+released sum by 0.41 C at n = 300, 3.8 C at 3001 and 21.6 C at 10 000 under ``loss_reduction="mean"``; under
+``"sum"``, where a loss written by hand was taken to be a sum, the same mean written by the user moved it by 4.15 C at
+3001 and 11.95 C at 10 000 (DP-SGD; 4.1 C DP-SGD-JL, 1.8 C backprop clipping; a fourth review). Now a private
+forward's loss must come from the DP criterion under either reduction, and it seeds each example's loss with the
+backward's own seed."""
 
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ def _data(n: int):
 
 
 def _engine(model, x, c, variant="dpsgd", **extra):
+    """make_private on (x, c) in one batch, no noise, the DP criterion ``(out * c).sum(1)`` per example."""
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, c), batch_size=x.shape[0])
     return PrivacyEngine(accountant="pld").make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader, noise_multiplier=0.0,
@@ -50,8 +54,10 @@ def _engine(model, x, c, variant="dpsgd", **extra):
         **BOUNDS[variant], **extra)  # fmt: skip
 
 
-def _released(variant: str, base: nn.Module, x, c, rows, loss: str = "dp") -> list[torch.Tensor]:
-    """The sums the variant releases (noise 0) for the rows ``rows`` of (x, c), the loss written as ``loss``."""
+def _released(variant: str, base: nn.Module, x, c, rows, loss: str = "dp", reduction: str = "mean"):
+    """The sums the variant releases (noise 0) for the rows ``rows`` of (x, c), the loss written as ``loss`` ("dp":
+    the DP criterion; "plain": the batch mean written by hand; "plain-sum": the sum by hand; "mixed": the DP
+    criterion plus a batch-mean term), under ``loss_reduction=reduction``."""
     cls, released = RELEASING[variant], []
     original = cls.release
 
@@ -60,11 +66,13 @@ def _released(variant: str, base: nn.Module, x, c, rows, loss: str = "dp") -> li
         original(self, model, sums, step)
 
     model = copy.deepcopy(base)
-    private, optimizer, criterion, _ = _engine(model, x, c, variant)
+    private, optimizer, criterion, _ = _engine(model, x, c, variant, loss_reduction=reduction)
     optimizer.zero_grad()
     out = private(x[rows])
     if loss == "plain":
         total = (out * c[rows]).sum(1).mean()
+    elif loss == "plain-sum":
+        total = (out * c[rows]).sum()
     elif loss == "mixed":
         total = criterion(out, c[rows]) + 10.0 * out.sum(1).mean()
     else:
@@ -78,31 +86,41 @@ def _released(variant: str, base: nn.Module, x, c, rows, loss: str = "dp") -> li
     return released[-1]
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("variant", ["dpsgd", "jl", "backprop"])
-@pytest.mark.parametrize("loss", ["plain", "mixed"])
-def test_a_plain_mean_or_a_mean_term_beside_the_dp_criterion_is_refused(variant, loss):
+@pytest.mark.parametrize("loss", ["plain", "plain-sum", "mixed"])
+def test_a_loss_written_by_hand_or_a_term_beside_the_dp_criterion_is_refused_under_either_reduction(
+    reduction, variant, loss
+):
+    """A loss the user writes by hand is refused under loss_reduction="sum" as under "mean": a batch mean in it was
+    the fourth review's hole (11.95 C at 10 000 examples under "sum"), and a sum written by hand cannot be told from
+    it by the step; so is any term beside the DP criterion's."""
     base = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), Cancel(64, 2, 3.8e-6))
     x, c = _data(16)
-    match = "needs the loss from fastdp's DP criterion" if loss == "plain" else "also got gradient from other terms"
+    match = "also got gradient from other terms" if loss == "mixed" else (
+        f"loss must come from fastdp's DP criterion .*loss_reduction='{reduction}'")  # fmt: skip
     with pytest.raises(ValueError, match=match):
-        _released(variant, base, x, c, slice(0, 16), loss)
+        _released(variant, base, x, c, slice(0, 16), loss, reduction)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("variant", ["dpsgd", "backprop"])
-def test_the_dp_criterions_leave_one_out_change_is_one_examples_on_a_cancelling_backward(variant):
+def test_the_dp_criterions_leave_one_out_change_is_one_examples_on_a_cancelling_backward(variant, reduction):
     """3001 identical examples through a backward that cancels to 4e-6 of its terms: with the DP criterion the release
-    without example 0 differs by example 0's own (clipped) gradient, whatever n (a plain mean moved it by 3.8 C)."""
+    without example 0 differs by example 0's own (clipped) gradient, whatever n and the reduction (a plain mean moved
+    it by 3.8 C under "mean", and by 4.15 C written by hand under "sum")."""
     base = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), Cancel(64, 2, 3.8e-6))
     n = 3001
     x, c = _data(n)
-    whole, without = _released(variant, base, x, c, slice(0, n)), _released(variant, base, x, c, slice(1, n))
+    whole = _released(variant, base, x, c, slice(0, n), reduction=reduction)
+    without = _released(variant, base, x, c, slice(1, n), reduction=reduction)
     scale = n if variant == "dpsgd" else 1.0  # DP-SGD's sums carry 1/(qN), qN the loader's batch size n
 
     def norm(sums):
         return sum(float(t.double().square().sum()) for t in sums) ** 0.5 * scale
 
     change = norm([a - b for a, b in zip(whole, without, strict=True)])
-    own = norm(_released(variant, base, x, c, slice(0, 1)))  # example 0 alone: its own clipped gradient
+    own = norm(_released(variant, base, x, c, slice(0, 1), reduction=reduction))  # example 0 alone: its gradient
     assert 0.05 < own <= 1.0 and change <= 1.0, (change, own)
     # example 0's gradient computed alone (a batch of 1: other GEMM kernels than at 3001 rows on CPU, whose rounding
     # the cancellation amplifies to ~1e-3 of it) against its share of the release: no term grows with n
@@ -198,13 +216,25 @@ def test_a_criterion_that_is_not_per_example_or_not_on_the_models_output_is_refu
         DPLoss(F.cross_entropy, private, "max")
 
 
-def test_a_plain_sum_needs_no_criterion():
-    """loss_reduction="sum": the user's own summed loss seeds each example with 1, as before."""
+def test_under_sum_a_plain_sum_is_refused_before_anything_is_released_and_the_dp_criterions_sum_trains():
+    """loss_reduction="sum" no longer takes the user's own loss to be a sum (fourth review): refused before the
+    release (no update, no accounting event); the DP criterion's sum (its value the plain sum) trains."""
     private, optimizer = _private(loss_reduction="sum")
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    before = [p.detach().clone() for p in private.parameters()]
     F.cross_entropy(private(x), y, reduction="sum").backward()
+    with pytest.raises(ValueError, match="loss must come from fastdp's DP criterion"):
+        optimizer.step()
+    assert optimizer.accountant.steps == 0 and optimizer.steps_taken == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, private.parameters(), strict=True))
+    optimizer.zero_grad()
+    out = private(x)
+    loss = DPLoss(F.cross_entropy, private, "sum")(out, y)
+    torch.testing.assert_close(loss, F.cross_entropy(out, y, reduction="sum"))
+    loss.backward()
     optimizer.step()
-    assert all(p.grad is not None for p in private.parameters())
+    assert optimizer.accountant.steps == 1
+    assert not all(torch.equal(a, p) for a, p in zip(before, private.parameters(), strict=True))
 
 
 class TwoHeads(nn.Module):
@@ -336,11 +366,14 @@ class WithHidden(nn.Module):
 
 def test_an_output_upstream_of_another_is_counted_once():
     """The DP criterion's gradient is backpropagated from its own input, once: a model also returning its hidden
-    state (upstream of the logits) releases what the same loss summed by the user releases (a review found the
-    layers below the hidden state at 2x when every output's measured gradient was backpropagated)."""
+    state (upstream of the logits) releases, with no noise and no clipping reached, the plain summed loss's gradient
+    (a review found the layers below the hidden state at 2x when every output's measured gradient was
+    backpropagated); under either reduction."""
     n = 6
     x, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
-    released = {}
+    torch.manual_seed(0)
+    plain = WithHidden()
+    F.cross_entropy(plain(x)[0], y, reduction="sum").backward()  # the non-private model's gradient of the sum
     for reduction in ("mean", "sum"):
         torch.manual_seed(0)
         model = WithHidden()
@@ -350,11 +383,11 @@ def test_an_output_upstream_of_another_is_counted_once():
             noise_multiplier=0.0, max_grad_norm=100.0, reproducible_seed=1, loss_reduction=reduction,
             criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost")  # fmt: skip
         logits, _ = private(x)
-        (criterion(logits, y) if reduction == "mean" else F.cross_entropy(logits, y, reduction="sum")).backward()
+        criterion(logits, y).backward()
         optimizer.step()
-        released[reduction] = [p.grad.clone() * (n if reduction == "mean" else 1) for p in model.parameters()]
-    for a, b in zip(released["mean"], released["sum"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        for released, want in zip(model.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(released.grad * (n if reduction == "mean" else 1), want.grad, rtol=1e-5,
+                                       atol=1e-7)  # fmt: skip
 
 
 def test_a_second_backward_of_the_dp_loss_and_an_evaluation_loss():

@@ -133,14 +133,16 @@ def test_clipped_sums_of_unmodified_models_equal_torch_func_in_float64(arch):
         assert sum(isinstance(m, TransposedLinear) for m in model.modules()) == 8
 
 
-def _front_door(model: nn.Module, x, y, variant: str = "dpsgd", sigma: float = 0.0):
+def _front_door(model: nn.Module, x, y, loss_fn, variant: str = "dpsgd", sigma: float = 0.0):
+    """(private model, optimizer, DP criterion of ``loss_fn``'s per-example losses, summed) from make_private."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     loader = DataLoader(TensorDataset(x, y), batch_size=x.shape[0])
     extra = {"max_grad_norm": 0.5} if variant == "dpsgd" else {"max_grad_norm": 0.5, "projections": 4}
-    return PrivacyEngine(accountant="rdp" if variant == "dpsgd" else "pld").make_private(
+    private, optimizer, criterion, _ = PrivacyEngine(accountant="rdp" if variant == "dpsgd" else "pld").make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, variant=variant,
-        loss_reduction="sum", reproducible_seed=1, **extra,
+        loss_reduction="sum", reproducible_seed=1, criterion=loss_fn, grad_sample_mode="ghost", **extra,
     )  # fmt: skip
+    return private, optimizer, criterion
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -152,10 +154,10 @@ def test_the_front_door_releases_torch_funcs_clipped_sum_in_float64(arch):
     x, y = _data(arch)
     clip = clip_bound(0.5, B)  # the front door clips at C' = C / (1 + s) (fastdp.ops.summation), N = B here
     expected = _clipped_reference(arch, model, loss_fn, Batch(x, y, torch.ones(B, dtype=torch.bool)), clip)
-    private, optimizer, _ = _front_door(model, x, y)
+    private, optimizer, criterion = _front_door(model, x, y, loss_fn)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.zero_grad()
-    loss_fn(private(x), y).sum().backward()
+    criterion(private(x), y).backward()
     optimizer.step()
     for p, old, e in zip(model.parameters(), before, expected, strict=True):
         torch.testing.assert_close(old - p.detach(), e, rtol=1e-10, atol=1e-12)  # norms rounded up by gamma_n
@@ -167,11 +169,11 @@ def test_jl_trains_every_architecture_through_the_front_door(arch):
     model, loss_fn = _build(arch)
     x, y = _data(arch, b=6)
     x = x.float() if x.is_floating_point() else x
-    private, optimizer, _ = _front_door(model, x, y, variant="jl", sigma=1.0)
+    private, optimizer, criterion = _front_door(model, x, y, loss_fn, variant="jl", sigma=1.0)
     before = [p.detach().clone() for p in model.parameters()]
     for _ in range(2):
         optimizer.zero_grad()
-        loss_fn(private(x), y).sum().backward()
+        criterion(private(x), y).backward()
         optimizer.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert all(not torch.equal(p.detach(), old) for p, old in zip(model.parameters(), before, strict=True))
@@ -182,9 +184,9 @@ def test_gpt2_with_dropout_trains_through_the_front_door():
     torch.manual_seed(0)
     model = CausalLM(dropout=0.1)
     x, y = _data("gpt2", b=8)
-    private, optimizer, _ = _front_door(model, x, y, sigma=1.0)
+    private, optimizer, criterion = _front_door(model, x, y, _next_token_loss, sigma=1.0)
     for _ in range(2):
         optimizer.zero_grad()
-        _next_token_loss(private(x), y).sum().backward()
+        criterion(private(x), y).backward()
         optimizer.step()
     assert optimizer.steps_taken == 2

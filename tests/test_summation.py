@@ -423,7 +423,7 @@ def test_the_output_front_doors_mean_through_the_dp_criterion_stays_within_the_b
     cls.release = capture
     try:
         change = float((release(slice(0, n)) - release(slice(1, n))).norm())
-        with pytest.raises(ValueError, match="needs the loss from fastdp's DP criterion"):
+        with pytest.raises(ValueError, match="loss must come from fastdp's DP criterion"):
             release(slice(0, 8), plain=True)
     finally:
         cls.release = original

@@ -122,9 +122,10 @@ def test_compiled_runs_go_through_the_front_door_and_give_the_eager_run(variant,
 
 
 def test_grad_reduction_is_checked_and_the_user_facing_mean_needs_the_dp_criterion():
-    """``private_training(..., loss_reduction="sum", grad_reduction="mean")`` is what the trainer uses; the user's
-    ``loss_reduction="mean"`` refuses a plain mean (its 1/n re-rounds every example when n changes), under autocast
-    as in fp32, and trains with the DP criterion under autocast too (no 1/n reaches the backward)."""
+    """``private_training(..., loss_reduction="sum", grad_reduction="mean")`` is what the trainer uses (with the DP
+    criterion's sum; a plain sum is refused there too); the user's ``loss_reduction="mean"`` refuses a plain mean (its
+    1/n re-rounds every example when n changes), under autocast as in fp32, and trains with the DP criterion under
+    autocast too (no 1/n reaches the backward)."""
     from fastdp.algorithms import DPSGD
     from fastdp.engine import DPLoss
     from fastdp.privacy.accounting import PrivacyAccountant
@@ -137,12 +138,16 @@ def test_grad_reduction_is_checked_and_the_user_facing_mean_needs_the_dp_criteri
 
     with pytest.raises(ValueError, match="grad_reduction must be one of"):
         build(grad_reduction="max")
+    model, optimizer = build(loss_reduction="sum", grad_reduction="mean")
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 2, 0]), reduction="sum").backward()
+    with pytest.raises(ValueError, match="loss must come from fastdp's DP criterion .*loss_reduction='sum'"):
+        optimizer.step()
     model, optimizer = build()
     y = torch.tensor([0, 1, 2, 0])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(torch.randn(4, 4))
     torch.nn.functional.cross_entropy(out.float(), y).backward()
-    with pytest.raises(ValueError, match="loss_reduction='mean' needs the loss from fastdp's DP criterion"):
+    with pytest.raises(ValueError, match="loss must come from fastdp's DP criterion"):
         optimizer.step()
     optimizer.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -18,13 +18,13 @@ optimizer's ``step()`` (:class:`fastdp.engine.DPOptimizer`) can form the variant
 
 Evaluation forwards (``eval()`` or ``torch.no_grad()``) are the plain model.
 
-Per-example gradients under the loss's reduction (Opacus' ``loss_reduction``): with ``"mean"`` the loss is taken to
-be ``(1/n) sum_i loss_i`` over the n examples of the batch, and G is multiplied by n, so example i's gradient is that
-of ``loss_i``; with ``"sum"`` it is ``sum_i loss_i`` and G is used as it is. Each ``loss_i`` must depend on example i
-alone: a mean over the batch's *tokens* (``CrossEntropyLoss(ignore_index=...)`` on flattened [B T] tokens, whose
-divisor counts every example's tokens) is not a mean over examples; average each example's tokens first (``loss_i``
-= the mean of its own tokens) and take the mean or sum of those, or use ``reduction="sum"`` over tokens with
-``loss_reduction="sum"``.
+Per-example gradients and the loss: a private training forward's loss must come from the DP criterion
+(:class:`fastdp.engine.DPLoss`, what ``make_private(..., criterion=...)`` returns), under either ``loss_reduction``:
+its backward seeds each example's loss with the backward's own seed, so G holds each example's own loss gradient,
+and any other gradient reaching the forward's DP layers is refused (:class:`fastdp.nn.ghost.Gate`, strict for every
+private forward; ``DPOptimizer`` checks it at the step). A loss written by hand cannot be checked to be a sum of
+per-example losses, and a batch mean in it (its 1/n) re-rounds every example's gradient when one example joins or
+leaves the batch. Forwards of public data (:meth:`PrivateModule.public`) may use any loss.
 """
 
 from __future__ import annotations
@@ -132,8 +132,6 @@ class PrivateModule(nn.Module):
         self._internal_loss = False
         self._buffer_watch = None  # the step's watch on the model's buffers, from its first training forward
         self._public = False
-        # loss_reduction="mean" (set by DPOptimizer): only DPLoss may backpropagate into a private forward (Gate)
-        self._seeded_losses = False
 
     def __getattr__(self, name: str):
         try:
@@ -154,7 +152,7 @@ class PrivateModule(nn.Module):
         if self._buffer_watch is None:
             self._buffer_watch = self._variant.watch_buffers(self._module)
         if self._variant.front_door == "ghost":
-            gate = Gate(strict=self._seeded_losses and not self._public)
+            gate = Gate(strict=not self._public)  # private: only a DPLoss backpropagates into it
             with GhostClipping(examples, self._variant.form_budget, gate=gate) as ctx:
                 out = self._module(*args, **kwargs)
             nodes = tuple(t.grad_fn for t in _output_tensors(out) if t.grad_fn is not None)
@@ -206,7 +204,7 @@ class PrivateModule(nn.Module):
                 f"variant {variant.name!r} cannot train under autocast ({autocast[0]}): "
                 f"{variant.low_precision_refusal}. Run its forward in fp32 (autocast is available for variant='dpsgd')"
             )
-        gate = Gate(strict=self._seeded_losses and not self._public)
+        gate = Gate(strict=not self._public)  # private: only a DPLoss backpropagates into it
         out, records = summed_forward(lambda: variant.output_forward(self._module, args, kwargs), examples, gate)
         if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != examples:
             shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__

@@ -5,8 +5,9 @@
 
 1. takes what the model's training forwards since the last step recorded (:class:`fastdp.engine.PrivateModule`:
    each DP layer's A and, after ``loss.backward()``, G; or, for the variants whose bound lives in the network, the
-   loss's gradient at the model's output), with G taken as 1/n of each example's own loss gradient under
-   ``loss_reduction="mean"`` (the n folded into the clip factors, without a copy of G);
+   loss's gradient at the model's output), G being each example's own loss gradient: a private forward's loss must
+   come from the DP criterion (``fastdp.engine.DPLoss``, under either ``loss_reduction``), which seeds every
+   example's loss with the backward's seed, never with a batch mean's 1/n;
 2. asks the variant for the bounded sums of that backward (``Variant.sums_of_backward``: DP-SGD's certified ghost
    norms, DP-SGD-JL's projections; ``Variant.sums_of_output``: clipless and weightclip clip the output gradient to
    the loss's Lipschitz constant, backprop's layers clip inputs and upstream gradients, in one backward through the
@@ -92,7 +93,6 @@ class DPOptimizer(Optimizer):
         self.original_optimizer = optimizer
         self.module, self.variant, self.accountant = module, variant, accountant
         self.loss_reduction = loss_reduction
-        module._seeded_losses = loss_reduction == "mean"  # its forwards watch their outputs' gradients (DPLoss)
         # what p.grad is: "mean" (the noisy sum over the expected batch size, the variant's release) or "sum"
         self.grad_reduction = grad_reduction
         self.projections = projections
@@ -295,10 +295,7 @@ class DPOptimizer(Optimizer):
                 "physical batch its own step() call), and run forwards of public data (a GAN's generated batch) "
                 "under `with model.public():` (docs/front-door.md, 'One forward per step')"
             )
-        if self.loss_reduction == "mean":
-            self._check_seeded(private_forwards)
-        else:  # a DP criterion's loss is checked whatever the reduction: scaled, it is the plain mean's hole again
-            self._check_seeded([r for r in private_forwards if r.seeded], seeds_only=True)
+        self._check_seeded(private_forwards)
         backpropagate_sent(recorded_forwards)  # the DP criteria's backward through the model (fastdp.engine.loss)
         loader = self.data_loader
         if self._sums is not None and loader is not None and loader.batches_drawn != self._pending_batch:
@@ -317,40 +314,43 @@ class DPOptimizer(Optimizer):
             self._check_rows_drawn()
         return not skip
 
-    def _check_seeded(self, forwards: list[Recorded], seeds_only: bool = False) -> None:
-        """Under ``loss_reduction="mean"``: the private forward's loss came from a DPLoss, unscaled, and nothing else
-        reached its DP layers (``fastdp.engine.loss``: a plain mean's 1/n re-rounds every example's gradient when n
-        changes); with ``seeds_only`` (``"sum"``, a DPLoss's forwards): unscaled."""
+    def _check_seeded(self, forwards: list[Recorded]) -> None:
+        """Every private forward's loss came from a DPLoss, unscaled (or scaled by the variant's fixed fp16 loss
+        scale), and nothing else reached its DP layers (``fastdp.engine.loss``): under either ``loss_reduction``. A
+        loss written by hand is not checked to be a sum of per-example losses, and a batch mean in it (its 1/n,
+        rounded) re-rounds every example's gradient when n changes, which the model's backward can amplify."""
         how = (
             "Pass criterion=<your loss> and grad_sample_mode='ghost' to make_private and compute the loss with the "
             "criterion it returns (model, optimizer, criterion, data_loader = engine.make_private(...)), as Opacus' "
-            "ghost clipping does, or fastdp.engine.DPLoss(<your loss>, model); or sum the per-example losses "
-            "(reduction='sum') and pass loss_reduction='sum' (docs/front-door.md, 'Per-example gradients and the loss')"
+            "ghost clipping does, or wrap it yourself: fastdp.engine.DPLoss(<your loss>, model, "
+            "reduction=<your loss_reduction>) (docs/front-door.md, 'Per-example gradients and the loss')"
         )
+        scale = self.variant.loss_scale  # 1, or the fp16 loss scale set_precision fixed (a power of two)
         for recorded in forwards:
-            if not recorded.seeded and not seeds_only:
+            if not recorded.seeded:
                 raise ValueError(
-                    "loss_reduction='mean' needs the loss from fastdp's DP criterion, and this step's loss was not: a "
-                    "plain mean over the batch (a criterion with reduction='mean', loss.mean()) multiplies every "
-                    "example's gradient by the rounded 1/n, n changes when one example is added or removed, and the "
-                    "model's backward can amplify that re-rounding of every other example's gradient far beyond the "
-                    f"clipping bound (21.6 x at 10 000 examples: tests/test_holes_mean.py). {how}"
+                    "a private training forward's loss must come from fastdp's DP criterion (under loss_reduction="
+                    f"'mean' and 'sum' alike), and this step's loss (loss_reduction={self.loss_reduction!r}) did not: "
+                    "fastdp cannot check that a loss written by hand is a sum of per-example losses, and a batch mean "
+                    "in it (a criterion with reduction='mean', loss.mean(), loss / len(x)) multiplies every example's "
+                    "gradient by the rounded 1/n; n changes when one example is added or removed, and the model's "
+                    "backward can amplify that re-rounding of every other example's gradient far beyond the clipping "
+                    f"bound (21.6 x at 10 000 examples: tests/test_holes_mean.py). {how}"
                 )
-            if not seeds_only and (
-                recorded.gate.foreign or (recorded.leaf is not None and recorded.leaf.grad is not None)
-            ):
+            if recorded.gate.foreign or (recorded.leaf is not None and recorded.leaf.grad is not None):
                 raise ValueError(
                     "the model also got gradient from other terms of the loss than the DP criterion's (a regularizer, "
-                    "an auxiliary head's or a stored activation's loss, averaged over the batch or not): under "
-                    "loss_reduction='mean' only the DP criterion's per-example losses may reach the model. Put every "
-                    f"term into the criterion, per example (a function of the outputs giving one loss per row). {how}"
+                    "an auxiliary head's or a stored activation's loss, averaged over the batch or not): only the DP "
+                    "criterion's per-example losses may reach a private forward. Put every term into the criterion, "
+                    f"per example (a function of the outputs giving one loss per row). {how}"
                 )
-            if any(bool(seed != 1) for seed in recorded.seeds):
+            if any(bool(seed != scale) for seed in recorded.seeds):
+                fixed = "" if scale == 1.0 else f" times the variant's fp16 loss scale {scale:g}"
                 raise ValueError(
                     "the DP criterion's loss was scaled before backward() (e.g. divided by the batch's size or token "
                     "count): a scale that depends on the batch re-rounds every example's gradient as a plain mean "
-                    "does, so the criterion's loss is backpropagated as it is (loss.backward()); it is already the "
-                    "batch's mean (or sum, under loss_reduction='sum'), and BatchMemoryManager accumulates physical "
+                    f"does, so the criterion's loss is backpropagated as it is{fixed} (loss.backward()); it is "
+                    "already the batch's mean or sum (its reduction), and BatchMemoryManager accumulates physical "
                     f"batches without scaling. {how}"
                 )
 

@@ -23,11 +23,12 @@ criterion, wrapped, as Opacus' ghost clipping), Poisson batches with expected si
 
 What differs, and why:
 
-* ``loss_reduction="mean"`` takes its loss from the criterion make_private returns with ``grad_sample_mode="ghost"``
-  (or ``fastdp.engine.DPLoss(criterion, model)``): a plain mean over the batch (``criterion(model(x), y)`` with the
-  user's own criterion) is refused at ``optimizer.step()``. Its 1/n, rounded into every example's gradient, changes
-  when one example is added or removed, and a model's backward can amplify that re-rounding beyond the clipping
-  bound (``fastdp.engine.loss``). ``loss_reduction="sum"`` with a summed loss needs no wrapper.
+* The loss comes from the criterion make_private returns with ``grad_sample_mode="ghost"`` (or
+  ``fastdp.engine.DPLoss(criterion, model, reduction)``), under ``loss_reduction="mean"`` and ``"sum"`` alike: a loss
+  computed with the user's own criterion (``criterion(model(x), y)``) is refused at ``optimizer.step()``. fastdp
+  cannot check that a hand-written loss is a sum of per-example losses, and a batch mean in it (its 1/n, rounded into
+  every example's gradient) changes when one example is added or removed; a model's backward can amplify that
+  re-rounding beyond the clipping bound (``fastdp.engine.loss``).
 
 * The per-example path is fastdp's (``fastdp.engine.PrivateModule``): one forward, one backward, no per-sample
   gradient tensors; ``grad_sample_mode`` is accepted and ignored.
@@ -398,7 +399,7 @@ def private_training(
 
     ``grad_reduction`` (default: ``loss_reduction``) is what ``p.grad`` is: ``"mean"``, the noisy sum over the
     expected batch size (the variant API's release, bitwise), or ``"sum"``, the noisy sum. The trainer passes
-    ``loss_reduction="sum"`` (it sums the per-example losses, as autocast requires) with ``grad_reduction="mean"``;
+    ``loss_reduction="sum"`` (its DP criterion's value is the summed loss it reports) with ``grad_reduction="mean"``;
     ``make_private`` keeps Opacus' pairing (``"mean"``/``"mean"``, ``"sum"``/``"sum"``)."""
     validate(module, variant, strict=True)  # every problem of the model, in one error (fastdp.nn.validate)
     private = PrivateModule(module, variant)

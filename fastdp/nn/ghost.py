@@ -42,12 +42,12 @@ _summing_lock = threading.Lock()
 
 @dataclass
 class Gate:
-    """Who may send one forward's DP layers their gradient G. The front door's ``loss_reduction="mean"``
-    (``fastdp.engine.loss.DPLoss``) makes its private forwards ``strict``: only the backward the DP criterion drives
-    (``driving``) reaches their records; a gradient arriving otherwise (another term of the loss, by any path into
-    the model) is not recorded and marks ``foreign``, and the step is refused. While ``measuring`` (the criterion's
-    own backward, which stops at its input but fires the hook of a DP layer whose output that input is), arriving
-    gradients are ignored."""
+    """Who may send one forward's DP layers their gradient G. The front door (``fastdp.engine``: every private
+    forward's loss comes from ``fastdp.engine.loss.DPLoss``) makes its private forwards ``strict``: only the backward
+    the DP criterion drives (``driving``) reaches their records; a gradient arriving otherwise (another term of the
+    loss, by any path into the model) is not recorded and marks ``foreign``, and the step is refused. While
+    ``measuring`` (the criterion's own backward, which stops at its input but fires the hook of a DP layer whose
+    output that input is), arriving gradients are ignored."""
 
     strict: bool = False
     driving: int = 0

@@ -42,6 +42,7 @@ from fastdp.algorithms import VARIANTS, Batch, Variant
 from fastdp.algorithms.base import check_compile, resolve_loss_scale
 from fastdp.engine.data import DPDataLoader
 from fastdp.engine.distributed import DataParallel, software_fingerprint, tensor_digest
+from fastdp.engine.loss import DPLoss
 from fastdp.engine.module import PrivateModule
 from fastdp.engine.optimizer import DPOptimizer
 from fastdp.engine.privacy_engine import private_training
@@ -449,10 +450,12 @@ class Trainer:
         # DPOptimizer that releases each step, as make_private does (None: the variant API's path, see _front_door)
         self.private_model: PrivateModule | None = None
         self.dp_optimizer: DPOptimizer | None = None
+        self.criterion: DPLoss | None = None  # the front door's DP criterion: the masked per-example losses, summed
         if self._front_door():
             self.private_model, self.dp_optimizer = private_training(
                 self.model, self.optimizer, self.variant, self.accountant, loss_reduction="sum",
                 grad_reduction="mean", projections=self.projections, parallel=self.distributed)  # fmt: skip
+            self.criterion = DPLoss(self._masked_losses, self.private_model, "sum")
             if config.compile is not None:  # the model's forward (and its backward) compiled; the release is too
                 self.model.compile(mode=FORWARD_COMPILE_MODES.get(config.compile, config.compile),
                                    backend=config.compile_backend)  # fmt: skip
@@ -800,8 +803,9 @@ class Trainer:
 
     def _front_door_step(self, batch: Batch | list[Batch]) -> torch.Tensor:
         """One private step through the front door, as any user's loop: for each micro-batch, the model's forward
-        (under the run's autocast), the masked per-example losses summed (padded rows weigh exactly 0), one
-        backward (times the fp16 loss scale, which the variant divides out exactly), ``optimizer.step()``. Every
+        (under the run's autocast), the DP criterion's sum of the masked per-example losses (padded rows weigh
+        exactly 0), one backward (times the fp16 loss scale, which the variant divides out exactly),
+        ``optimizer.step()``. Every
         micro-batch but the last signals a skipped step (``signal_skip_step``): its clipped sums wait, and the last
         releases the logical batch once (noise, the mean over the expected batch size, one accounting event).
         Returns the summed loss of the real examples (detached; this rank's shard, data-parallel)."""
@@ -810,14 +814,21 @@ class Trainer:
         loss = torch.zeros((), device=self.device)
         for k, micro in enumerate(batches):
             self.dp_optimizer.signal_skip_step(k < len(batches) - 1)
-            losses = self.variant.loss_fn(self.variant._forward(self.private_model, micro.x), micro.y) * micro.mask
-            total = losses.sum()
+            out = self.variant._forward(self.private_model, micro.x)
+            total = self.criterion(out, micro.y, micro.mask)
+            reported = total.detach()
+            if self.variant.precision != "fp32":  # an example whose loss overflowed contributes 0 (DP-SGD), and
+                with torch.no_grad():  # is left out of the reported loss
+                    losses = self._masked_losses(out.detach(), micro.y, micro.mask)
+                reported = torch.where(torch.isfinite(losses), losses, 0).sum()
             (total * scale if scale != 1.0 else total).backward()
             self.dp_optimizer.step()
-            if self.variant.precision != "fp32":  # an example whose loss overflowed contributes 0 (DP-SGD), and
-                total = torch.where(torch.isfinite(losses), losses, 0).sum()  # is left out of the reported loss
-            loss = loss + total.detach()
+            loss = loss + reported
         return loss
+
+    def _masked_losses(self, out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The per-example losses, padded rows weighed 0 (the front door's DP criterion, :attr:`criterion`)."""
+        return self.variant.loss_fn(out, y) * mask
 
     def _rows(self, indices: torch.Tensor, mask: torch.Tensor) -> Batch:
         x = self._transform(self.data.x_train[indices]).to(self.device)
