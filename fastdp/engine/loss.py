@@ -27,8 +27,12 @@ plain mean again). The release divides the noisy sum by the expected batch size,
 Each row's loss must come from its own row alone: the criterion is probed like the model (``fastdp.nn.rows``, once
 per input signature, on its detached input and target): a row's loss must not change when other rows are replaced or
 when the batch loses its last rows (in-batch negatives, ``out - out.mean(0)``, a division by ``len(out)`` are
-refused). Code between the model's output and the criterion's input, and a criterion's division by a padded length
-that the collate function set, are the user's part of the contract (not seen by either probe).
+refused). The code between the model's output and the criterion's input may only move values (views, reshapes,
+slices, transposes, casts, concatenation: :data:`MOVES`, by the autograd graph), and :class:`Segment` checks by
+experiment, once per segment, that it puts example e's output in the criterion's rows of example e, in order, and that
+the gradient back through it is a copy (no hook rescaling it): a scale such as ``criterion(out / len(x), y)`` moved
+DP-SGD's release by 3.94 C at n = 3001 before. What a criterion divides by (a padded length the collate function set)
+and how the targets were made are the user's part of the contract (data, not seen by either probe).
 """
 
 from __future__ import annotations
@@ -104,8 +108,8 @@ def _forwards_of(tensor: torch.Tensor, pending: list[Recorded]) -> list[Recorded
     forwards' output nodes, or to an output variant's leaf)."""
     targets: dict = {}
     for recorded in pending:
-        for node in recorded.output_nodes:
-            targets[node] = recorded
+        for edge, _ in recorded.output_edges:
+            targets[edge.node] = recorded
     found: dict[int, Recorded] = {}
     start = tensor.grad_fn
     if start is None:  # a leaf: an output variant's leaf itself
@@ -124,6 +128,151 @@ def _forwards_of(tensor: torch.Tensor, pending: list[Recorded]) -> list[Recorded
             continue
         stack.extend(next_node for next_node, _ in node.next_functions)
     return list(found.values())
+
+
+# What may lie between a private forward's output and the DP criterion's input: operations that move values and do no
+# arithmetic (views, reshapes, slices, transposes, casts, copies, concatenation), so the criterion's rows are the
+# model's rows rearranged, which Segment.check verifies; arithmetic belongs in the criterion, where the probe sees it
+MOVES = frozenset({
+    "AliasBackward0", "CatBackward0", "CloneBackward0", "ExpandBackward0", "PermuteBackward0", "ReshapeAliasBackward0",
+    "SelectBackward0", "SliceBackward0", "SplitBackward0", "SplitWithSizesBackward0", "SqueezeBackward0",
+    "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3", "SqueezeBackward4", "StackBackward0", "TBackward0",
+    "ToCopyBackward0", "TransposeBackward0", "TransposeBackward1", "UnbindBackward0", "UnsafeViewBackward0",
+    "UnsqueezeBackward0", "UnsqueezeBackward1", "ViewBackward0",
+})  # fmt: skip
+
+
+def _segment(tensor: torch.Tensor, recorded: Recorded) -> tuple[list, set]:
+    """The autograd nodes between ``recorded``'s outputs (or its output leaf) and ``tensor``, and the outputs' edges
+    where it ends ((node, output number): not those reached only through the model); ValueError naming the first node
+    that is not a move (:data:`MOVES`)."""
+    stops = {edge.node for edge, _ in recorded.output_edges}
+    nodes, stack, seen, ends = [], [(tensor.grad_fn, tensor.output_nr)], set(), set()
+    while stack:
+        node, number = stack.pop()
+        if node in stops:
+            ends.add((node, number))
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "AccumulateGrad" and recorded.leaf is not None and node.variable is recorded.leaf:
+            continue
+        if type(node).__name__ not in MOVES:
+            raise ValueError(
+                f"the DP criterion's input was computed from the private model's output by {type(node).__name__}: "
+                "between the model's output and the DP criterion only operations that move values may run (views, "
+                "reshapes, slices, transposes, casts, concatenation), so that each of the criterion's rows is one "
+                "example's. Put any arithmetic (a scale or temperature, a mask, a softmax, another tensor) into the "
+                "criterion's function, where each row's loss is checked, and pass its extra tensors as arguments: "
+                "DPLoss(lambda out, y, mask: loss(out / 2.0, y) * mask, model)(model(x), y, mask) (docs/front-door.md, "
+                "'Per-example gradients and the loss')"
+            )
+        nodes.append(node)
+        stack.extend(node.next_functions)
+    return nodes, ends
+
+
+def _describe(node) -> tuple:
+    """A node's type and what it saved other than tensors (dimensions, sizes, slice bounds): two segments with the
+    same descriptions move the same elements."""
+    saved = []
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            value = getattr(node, name)
+            if not isinstance(value, torch.Tensor):
+                saved.append((name, repr(value)))
+    return (type(node).__name__, tuple(saved))
+
+
+class Segment:
+    """Checks, once per segment (:func:`_describe` of its nodes, the shapes), that the code between a private forward's
+    outputs and the DP criterion's input moves example e's rows to the criterion's rows e·k .. e·k + k - 1, in order
+    (k = the criterion's rows / the examples), and that the gradient passing back through it is a copy (no gradient
+    hook scaling it). By experiment on the segment's Jacobian J (the vector-Jacobian product differentiated once more
+    in its seed): J·1 must hold only 0 and 1, and J·v_b, v_b the rows of the examples with bit b of their index set
+    (or clear), may reach only the criterion's rows of those examples."""
+
+    def __init__(self) -> None:
+        self._seen: set = set()
+
+    def check(self, input: torch.Tensor, forwards: list[Recorded]) -> None:
+        private = [r for r in forwards if not r.public]
+        if not private:
+            return
+        if len(forwards) > 1:
+            raise ValueError(
+                f"the DP criterion's input was computed from the outputs of {len(forwards)} training forwards: compute "
+                "each forward's loss with its own call of the criterion (loss = criterion(model(x), y) + "
+                "criterion(model(x2), y2)), so that each criterion row is one example of one forward"
+            )
+        (recorded,) = private
+        nodes, ends = _segment(input, recorded)
+        if recorded.examples == 0:  # an empty batch: no row to check (the moves were)
+            return
+        if recorded.leaf is not None:
+            outputs = [(recorded.leaf, recorded.leaf.shape)]
+        else:
+            outputs = [(edge, shape) for edge, shape in recorded.output_edges if (edge.node, edge.output_nr) in ends]
+        key = (tuple(_describe(node) for node in nodes), tuple(input.shape), input.dtype, recorded.examples,
+               tuple(tuple(shape) for _, shape in outputs))  # fmt: skip
+        if key in self._seen:
+            return
+        with recorded.gate.measure() if recorded.gate is not None else contextlib.nullcontext():
+            self._check(input, recorded.examples, outputs)  # (the DP layers' hooks on the outputs ignore it)
+        self._seen.add(key)
+
+    @staticmethod
+    def _check(input: torch.Tensor, n: int, outputs: list) -> None:
+        rows = input.shape[0] if input.dim() else 0
+        if rows == 0 or rows % n:
+            raise ValueError(
+                f"the DP criterion's input has {rows} rows for a batch of {n} examples: its rows must be the "
+                "examples, or each example's rows in order (a [B, T, ...] output reshaped to [B*T, ...])"
+            )
+        per = rows // n
+        with torch.enable_grad():
+            seed = torch.zeros_like(input, requires_grad=True)
+            grads = torch.autograd.grad(input, [t for t, _ in outputs], seed, create_graph=True, allow_unused=True)
+            used = [(g, shape) for g, (_, shape) in zip(grads, outputs, strict=True) if g is not None]
+            for _, shape in used:
+                if len(shape) == 0 or shape[0] % n:
+                    raise ValueError(
+                        f"the DP criterion's input was computed from a model output of shape {tuple(shape)}, whose "
+                        f"first dimension is not the batch's {n} examples (or a multiple): compute the loss from "
+                        "batch-first outputs"
+                    )
+
+            def reach(select) -> torch.Tensor:  # J v, v = 1 on the output rows of the examples ``select`` keeps
+                vs = []
+                for g, shape in used:
+                    examples = torch.arange(shape[0], device=g.device) // (shape[0] // n)
+                    keep = select(examples).to(g.dtype).reshape(-1, *([1] * (len(shape) - 1)))
+                    vs.append(keep.expand(shape))
+                (jv,) = torch.autograd.grad([g for g, _ in used], seed, vs, retain_graph=True, allow_unused=True)
+                return torch.zeros_like(input) if jv is None else jv.detach()
+
+            ones = reach(lambda e: torch.ones_like(e, dtype=torch.bool))
+            if not bool(((ones == 0) | (ones == 1)).all()):
+                raise ValueError(
+                    "the gradient from the DP criterion's input back to the private model's output is not a copy of "
+                    "it: a gradient hook between them (tensor.register_hook) scales or changes it, and a change that "
+                    "depends on the batch moves every example's gradient. Remove the hook; put any weighting into the "
+                    "criterion's function"
+                )
+            row_example = torch.arange(rows, device=input.device) // per
+            for bit in range(max(n - 1, 0).bit_length()):
+                for side in (0, 1):
+                    reached = reach(lambda e, b=bit, s=side: (e >> b) & 1 == s).reshape(rows, -1).ne(0).any(1)
+                    wrong = reached & (((row_example >> bit) & 1) != side)
+                    if bool(wrong.any()):
+                        row = int(wrong.nonzero()[0])
+                        raise ValueError(
+                            f"row {row} of the DP criterion's input reads the output of another example than its "
+                            f"own (example {row // per}: the code between the model and the criterion moves rows "
+                            "across examples: a transpose of the batch dimension, a reshape that merges examples, a "
+                            f"rotation of the rows); its rows must be the examples' rows in order, {per} per example, "
+                            "as its targets are"
+                        )
 
 
 class DPLoss(nn.Module):
@@ -151,6 +300,7 @@ class DPLoss(nn.Module):
         self._per_element = _per_example_criterion(criterion)
         self._module = module
         self._probe = RowProbe()
+        self._segment = Segment()
 
     def _per_row(self, structure: tuple) -> torch.Tensor:
         """The criterion's loss for each row of ``(input, target, args, kwargs)``, checked: one per row."""
@@ -184,6 +334,8 @@ class DPLoss(nn.Module):
                 "the criterion's input was not computed from an output of the private model's training forward since "
                 "the last step: compute the loss from what the model returned, after the forward"
             )
+        if forwards:  # the code between the model's output and this input: moves, each row one example's, in order
+            self._segment.check(input, forwards)
         per = self._per_row((input, target, args, kwargs))
         if plain:
             return per.mean() if self.reduction == "mean" else per.sum()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from fastdp.algorithms.base import Variant, summed_forward
@@ -53,7 +54,8 @@ class Recorded:
     output: torch.Tensor | None = None  # "output": the model's output (its graph) ...
     leaf: torch.Tensor | None = None  # ... and the detached leaf the user's loss was computed from
     public: bool = False  # run under PrivateModule.public(): rows of no private example (a GAN's generated batch)
-    output_nodes: tuple = ()  # "ghost": the autograd nodes of the output's tensors (fastdp.engine.loss.DPLoss)
+    # "ghost": (gradient edge, shape) of each of the output's tensors (fastdp.engine.loss.DPLoss)
+    output_edges: tuple = ()
     gate: Gate | None = None  # who may send its DP layers their gradient (fastdp.nn.ghost.Gate)
     seeded: bool = False  # a DPLoss's backward reached it: each example's loss got that backward's seed, never 1/n
     seeds: list = field(default_factory=list)  # those seeds (a 0-d tensor per DPLoss backward; must be 1 under "mean")
@@ -85,8 +87,8 @@ def _output_tensors(out) -> list[torch.Tensor]:
 def backpropagate_sent(forwards: list[Recorded]) -> None:
     """The backward of what the DPLoss criteria sent their inputs (``Recorded.sent``), through whatever lies between
     those inputs and the forwards' outputs and through the model: once, from all of them at once (each node reached
-    once: an output upstream of another is not counted twice), inside every forward's gate (under "mean" the only
-    backward their DP layers record)."""
+    once: an output upstream of another is not counted twice), inside every forward's gate (the only backward their
+    DP layers record)."""
     sent = [item for recorded in forwards for item in recorded.sent]
     for recorded in forwards:
         recorded.sent = []
@@ -155,8 +157,8 @@ class PrivateModule(nn.Module):
             gate = Gate(strict=not self._public)  # private: only a DPLoss backpropagates into it
             with GhostClipping(examples, self._variant.form_budget, gate=gate) as ctx:
                 out = self._module(*args, **kwargs)
-            nodes = tuple(t.grad_fn for t in _output_tensors(out) if t.grad_fn is not None)
-            self._pending.append(Recorded(ctx.records, examples, inputs, public=self._public, output_nodes=nodes,
+            edges = tuple((get_gradient_edge(t), t.shape) for t in _output_tensors(out) if t.grad_fn is not None)
+            self._pending.append(Recorded(ctx.records, examples, inputs, public=self._public, output_edges=edges,
                                           gate=gate))  # fmt: skip
             self._watch_internal_loss(out)
             return out
